@@ -1,0 +1,107 @@
+"""The engine's configuration: one frozen dataclass, hashable so it can be a static jit argument.
+
+Field names up to ``atom_feat_dim`` are the PyTorch reference constructor's arguments
+(``fractus_jax.reference.FractusEngine(**cfg.torch_kwargs())``); the fields after them only
+choose how the JAX side computes the same function (dtype, block sizes, capacity, remat).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+VARIANTS = ("atom", "parent")
+ATOM_VOCAB = 266
+ATOM_BOS = 257
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_head: int
+    n_levels: int
+    n_oscillators: int
+    coupling_rank: int
+    n_experts: int
+    top_k: int
+    expert_d_ff: int
+    siren_rank: int
+    variant: str = "atom"
+    gate_temperature: float = 2.5
+    kuramoto_steps: int = 1
+    kuramoto_dt: float = 0.1
+    kuramoto_damping: float = 0.01
+    moe_kappa: float = 4.0
+    ln_eps: float = 1e-5
+    # Id whose presence at position t zeroes a row's carried state entering t (SPEC §4);
+    # None disables document resets (the parent's GPT-2 stream has no BOS).
+    bos_id: Optional[int] = ATOM_BOS
+    atom_feat_dim: int = 320
+    # ---- JAX-side computation choices (not part of the weights) ----
+    # None: every token gets its top_k experts (capacity = all tokens of the group).
+    capacity_factor: Optional[float] = 1.25
+    # Rows per MoE dispatch group; 0 means the whole batch is one group. Capacity is
+    # counted per group, so sharded runs set it to the rows one device holds.
+    moe_group_rows: int = 0
+    attn_block_size: int = 64
+    compute_dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.n_heads * self.d_head != self.d_model:
+            raise ValueError(f"n_heads*d_head = {self.n_heads}*{self.d_head} != d_model={self.d_model}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
+        if self.attn_block_size < 1:
+            raise ValueError(f"attn_block_size must be >= 1, got {self.attn_block_size}")
+        if self.compute_dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"unknown compute_dtype {self.compute_dtype!r}")
+
+    @property
+    def is_atom(self) -> bool:
+        return self.variant == "atom"
+
+    def torch_kwargs(self) -> dict[str, Any]:
+        """The PyTorch reference constructor's arguments (what an export's "config" holds)."""
+        names = [f.name for f in dataclasses.fields(self)]
+        return {n: getattr(self, n) for n in names[: names.index("atom_feat_dim") + 1]}
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
+        """Build from a dict that may carry extra keys (a PyTorch checkpoint's "config")."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def atom_1b(**overrides) -> EngineConfig:
+    base = dict(vocab_size=ATOM_VOCAB, d_model=1280, n_layers=16, n_heads=20, d_head=64,
+                n_levels=2, n_oscillators=16, coupling_rank=8, n_experts=128, top_k=2,
+                expert_d_ff=2048, siren_rank=64, variant="atom")
+    base.update(overrides)
+    return EngineConfig(**base)
+
+
+def parent_1b(**overrides) -> EngineConfig:
+    base = dict(vocab_size=50257, d_model=1280, n_layers=16, n_heads=20, d_head=64,
+                n_levels=2, n_oscillators=16, coupling_rank=8, n_experts=128, top_k=2,
+                expert_d_ff=2048, siren_rank=64, variant="parent", bos_id=None)
+    base.update(overrides)
+    return EngineConfig(**base)
+
+
+def tiny(**overrides) -> EngineConfig:
+    """A few-thousand-parameter engine for tests: every code path, seconds to compile."""
+    base = dict(vocab_size=ATOM_VOCAB, d_model=32, n_layers=2, n_heads=2, d_head=16,
+                n_levels=2, n_oscillators=8, coupling_rank=4, n_experts=8, top_k=2,
+                expert_d_ff=48, siren_rank=8, variant="atom", attn_block_size=8)
+    base.update(overrides)
+    return EngineConfig(**base)

@@ -1,0 +1,128 @@
+"""Phase-routed mixture of low-rank experts (SPEC §3.3, §3.4).
+
+Routing: the mean phase of a token's oscillators picks experts by von Mises gates around
+each expert's fixed (Farey) phase; the top-k gates, renormalised, weight the experts.
+
+Two ways to run the experts, tied together by the tests:
+  * `moe_exact`: every expert on every token, combined with zero weight where not chosen.
+    E/K times the useful work: the definition, kept to test against.
+  * `moe_capacity`: the fast path. Each expert has `capacity` slots per group of T tokens;
+    assignments fill them first choices of all tokens before second choices, tokens are
+    gathered by index into a fixed (E, capacity, D) buffer (no one-hot dispatch einsum:
+    its cost grows with T², see DESIGN_NOTES), the four low-rank einsums run on the buffer,
+    and outputs are gathered back. An assignment that finds its expert full contributes 0.
+
+Expert factors (a dict): U1 (E,F,r), V1 (E,D,r), U2 (E,D,r), V2 (E,F,r), scale1, scale2
+(E,1,1), b1 (E,F), b2 (E,D).
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_GATE_FLOOR = 1e-10
+
+
+def farey_phases(n_experts: int) -> np.ndarray:
+    """Angles 2π·p/q of the Farey sequence of order 2E, spread over E experts (float64)."""
+    n = 2 * n_experts
+    # The standard next-term recurrence: a/b, c/d -> (k·c − a)/(k·d − b), k = ⌊(n+b)/d⌋.
+    a, b, c, d = 0, 1, 1, n
+    seq = [Fraction(0, 1)]
+    while c <= n:
+        seq.append(Fraction(c, d))
+        k = (n + b) // d
+        a, b, c, d = c, d, k * c - a, k * d - b
+    m = len(seq)
+    picks = [seq[min(i * m // n_experts, m - 1)] for i in range(n_experts)]
+    return np.array([2.0 * math.pi * float(f) for f in picks], dtype=np.float64)
+
+
+def mean_phase(psi):
+    """θ̄ = atan2(Σ sin ψ, Σ cos ψ) over the oscillator axis."""
+    return jnp.arctan2(jnp.sin(psi).sum(-1), jnp.cos(psi).sum(-1))
+
+
+def gates(theta_bar, expert_phases, kappa_eff: float):
+    """Normalised von Mises gates (..., E); uniform where the sum is ≤ 1e-10."""
+    g = jnp.exp(kappa_eff * jnp.cos(theta_bar[..., None] - expert_phases))
+    total = g.sum(-1, keepdims=True)
+    ok = total > _GATE_FLOOR
+    uniform = jnp.full_like(g, 1.0 / g.shape[-1])
+    return jnp.where(ok, g / jnp.where(ok, total, 1.0), uniform)
+
+
+def top_k_route(g, top_k: int):
+    """Top-k experts by gate and their weights renormalised to sum 1."""
+    g_top, idx = jax.lax.top_k(g, top_k)
+    total = g_top.sum(-1, keepdims=True)
+    ok = total > _GATE_FLOOR
+    w = jnp.where(ok, g_top / jnp.where(ok, total, 1.0), 1.0 / top_k)
+    return idx, w
+
+
+def load_balance(g):
+    """E·Σ_e (P_e − 1/E)², P_e the mean gate over every token of g (..., E)."""
+    n_experts = g.shape[-1]
+    P = g.reshape(-1, n_experts).mean(0)
+    return n_experts * jnp.sum((P - 1.0 / n_experts) ** 2)
+
+
+def gelu_tanh(u):
+    return 0.5 * u * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * u ** 3)))
+
+
+def experts_apply(x_ExNxD, f):
+    """Each expert e on its own rows x[e]: the four low-rank einsums."""
+    h = jnp.einsum("end,edr->enr", x_ExNxD, f["V1"])
+    u = f["scale1"] * jnp.einsum("enr,efr->enf", h, f["U1"]) + f["b1"][:, None, :]
+    u = gelu_tanh(u)
+    h = jnp.einsum("enf,efr->enr", u, f["V2"])
+    return f["scale2"] * jnp.einsum("enr,edr->end", h, f["U2"]) + f["b2"][:, None, :]
+
+
+def moe_exact(x_TxD, idx_TxK, w_TxK, f):
+    """Every expert on every token; the combine weight is zero where not chosen."""
+    n_experts = f["b2"].shape[0]
+    combine_TxE = jnp.einsum("tk,tke->te", w_TxK, jax.nn.one_hot(idx_TxK, n_experts, dtype=w_TxK.dtype))
+    x_ExTxD = jnp.broadcast_to(x_TxD, (n_experts,) + x_TxD.shape)
+    out_ExTxD = experts_apply(x_ExTxD, f)
+    return jnp.einsum("te,etd->td", combine_TxE.astype(out_ExTxD.dtype), out_ExTxD)
+
+
+def expert_capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor) -> int:
+    """ceil(cf·T·K/E), at most T (an expert cannot receive a token twice); None means T."""
+    if capacity_factor is None:
+        return n_tokens
+    cap = math.ceil(capacity_factor * n_tokens * top_k / n_experts)
+    return max(1, min(cap, n_tokens))
+
+
+def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int):
+    """Index dispatch into (E, capacity, D); returns (y (T, D), kept (T, K) bool)."""
+    n_tokens, top_k = idx_TxK.shape
+    n_experts, d_model = f["b2"].shape
+    # Assignments in fill order: all first choices (token order), then all second choices.
+    expert_A = idx_TxK.T.reshape(-1)                                   # (K·T,)
+    token_A = jnp.tile(jnp.arange(n_tokens, dtype=jnp.int32), top_k)
+    onehot_AxE = jax.nn.one_hot(expert_A, n_experts, dtype=jnp.int32)
+    slot_in_expert_A = jnp.sum(jnp.cumsum(onehot_AxE, axis=0) * onehot_AxE, axis=-1) - 1
+    kept_A = slot_in_expert_A < capacity
+    n_slots = n_experts * capacity
+    # Dropped assignments all point at one extra dump slot, past the real ones.
+    slot_A = jnp.where(kept_A, expert_A * capacity + slot_in_expert_A, n_slots)
+    token_of_slot = jnp.full((n_slots + 1,), n_tokens, jnp.int32).at[slot_A].set(token_A)[:n_slots]
+    # Empty slots read a zero row past the real tokens.
+    x_pad = jnp.concatenate([x_TxD, jnp.zeros((1, d_model), x_TxD.dtype)], axis=0)
+    x_ExCxD = x_pad[token_of_slot].reshape(n_experts, capacity, d_model)
+    out = experts_apply(x_ExCxD, f).reshape(n_slots, d_model)
+    out_pad = jnp.concatenate([out, jnp.zeros((1, d_model), out.dtype)], axis=0)
+    out_KxTxD = out_pad[slot_A].reshape(top_k, n_tokens, d_model)
+    kept_KxT = kept_A.reshape(top_k, n_tokens)
+    weight_KxT = jnp.where(kept_KxT, w_TxK.T, 0.0).astype(out_KxTxD.dtype)
+    y = jnp.einsum("kt,ktd->td", weight_KxT, out_KxTxD)
+    return y, kept_KxT.T

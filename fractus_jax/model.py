@@ -1,0 +1,275 @@
+"""The Fractus engine: parameters, carried state and the chunk forward (SPEC §2-4).
+
+Parameters are a nested dict whose leaves mirror the PyTorch state-dict names
+(fractus_jax/convert/names.py declares the map); the blocks' tensors are stacked along a
+leading layer axis so the layers run as one `lax.scan` (compile time flat in depth).
+Two leaves are buffers, not trainable: `level_offsets` and `expert_phases`; the forward
+stops their gradient and `trainable_mask` tells the optimizer to leave them alone.
+
+The carried state is a dict of float32 (float64 with float64 params) arrays:
+    thought (B, D), S (layers, B, H, dH, dH), z (layers, B, H, dH), phase (layers, B, N).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fractus_jax.config import EngineConfig
+from fractus_jax.kernels import attention as attn_k
+from fractus_jax.kernels import kuramoto as kur_k
+from fractus_jax.kernels import moe as moe_k
+
+BOUNDARY_IDS = (259, 265)  # atom features enter at boundary ids, inclusive range (SPEC §5)
+BUFFER_NAMES = ("level_offsets", "expert_phases")
+GOLDEN = (1.0 + math.sqrt(5.0)) / 2.0
+
+Params = dict[str, Any]
+State = dict[str, jax.Array]
+
+
+class Aux(NamedTuple):
+    """What a forward knows besides its output, per layer where it has a layer axis."""
+    lb: jax.Array              # scalar, the sum over layers
+    lb_per_layer: jax.Array    # (layers,)
+    keep_rate: jax.Array       # (layers,) kept assignments / (tokens · K)
+    expert_hits: jax.Array     # (layers, E) kept assignments per expert
+    gate_mean: jax.Array       # (layers, E) P_e
+    expert_idx: jax.Array      # (layers, B, C, K) the chosen experts, best first
+
+
+# ----------------------------------------------------------------------------- init
+
+def _uniform(key, shape, bound, dtype):
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def level_offsets(n_levels: int) -> np.ndarray:
+    return np.array([(GOLDEN ** 2) ** (-l) for l in range(n_levels)], dtype=np.float64)
+
+
+def _init_block(cfg: EngineConfig, key, dtype) -> Params:
+    D, N, E, F, r = cfg.d_model, cfg.n_oscillators, cfg.n_experts, cfg.expert_d_ff, cfg.siren_rank
+    keys = iter(jax.random.split(key, 10))
+    omega_bound = 0.2 if cfg.is_atom else 0.05
+    attn = {
+        "w_qkv": _uniform(next(keys), (3, D, D), math.sqrt(2.0 / (D + D)), dtype),
+        "b_qkv": jnp.zeros((3, D), dtype),
+        "w_out": _uniform(next(keys), (D, D), math.sqrt(2.0 / (D + D)), dtype),
+        "b_out": jnp.zeros((D,), dtype),
+        "level_logits": jnp.zeros((cfg.n_levels,), dtype),
+        "level_offsets": jnp.asarray(level_offsets(cfg.n_levels), dtype),
+    }
+    kuramoto = {
+        "omega": _uniform(next(keys), (N,), omega_bound, dtype),
+        "coupling_u": _uniform(next(keys), (N, cfg.coupling_rank), 1.0, dtype),
+        "coupling_lambda": jax.random.uniform(next(keys), (cfg.coupling_rank,), dtype, 0.01, 0.51),
+    }
+    phase_key = next(keys)
+    if cfg.is_atom:
+        kuramoto["phase_proj"] = {
+            "weight": jax.random.normal(phase_key, (1, D), dtype) / math.sqrt(D),
+            "bias": jnp.zeros((1,), dtype),
+        }
+    moe = {
+        "U1": _uniform(next(keys), (E, F, r), math.sqrt(2.0 / (F + r)), dtype),
+        "V1": _uniform(next(keys), (E, D, r), math.sqrt(2.0 / (D + r)), dtype),
+        "U2": _uniform(next(keys), (E, D, r), math.sqrt(2.0 / (D + r)), dtype),
+        "V2": _uniform(next(keys), (E, F, r), math.sqrt(2.0 / (F + r)), dtype),
+        "scale1": jnp.ones((E, 1, 1), dtype),
+        "scale2": jnp.ones((E, 1, 1), dtype),
+        "b1": jnp.zeros((E, F), dtype),
+        "b2": jnp.zeros((E, D), dtype),
+        "expert_phases": jnp.asarray(moe_k.farey_phases(E), dtype),
+    }
+    norm = lambda: {"weight": jnp.ones((D,), dtype), "bias": jnp.zeros((D,), dtype)}  # noqa: E731
+    return {"attn": attn, "norm_attn": norm(), "kuramoto": kuramoto, "norm_kur": norm(),
+            "moe": moe, "norm_moe": norm()}
+
+
+def init_params(cfg: EngineConfig, key, dtype=jnp.float32) -> Params:
+    """Fresh parameters as SPEC §2 initialises them, blocks stacked on a leading axis."""
+    D = cfg.d_model
+    k_obs, k_blocks, k_conf, k_sal = jax.random.split(key, 4)
+    embed_std = 0.02 if cfg.is_atom else 1.0
+    head_bound = 1.0 / math.sqrt(D)
+
+    def head(k):
+        kw, kb = jax.random.split(k)
+        return {"weight": _uniform(kw, (1, D), head_bound, dtype), "bias": _uniform(kb, (1,), head_bound, dtype)}
+
+    params = {
+        "observe": embed_std * jax.random.normal(k_obs, (cfg.vocab_size, D), dtype),
+        "blocks": jax.vmap(lambda k: _init_block(cfg, k, dtype))(jax.random.split(k_blocks, cfg.n_layers)),
+        "confidence_head": head(k_conf),
+        "salience_head": head(k_sal),
+    }
+    if cfg.is_atom:
+        params["atom_feat"] = {"weight": jnp.zeros((D, cfg.atom_feat_dim), dtype), "bias": jnp.zeros((D,), dtype)}
+    return params
+
+
+def trainable_mask(params: Params):
+    """True for trainable leaves, False for the buffers (same tree structure)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) not in BUFFER_NAMES, params)
+
+
+def count_params(cfg: EngineConfig) -> int:
+    """Trainable parameters (the tied output head counted once); no allocation."""
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    mask = trainable_mask(shapes)
+    return int(sum(int(np.prod(s.shape)) for s, m in
+                   zip(jax.tree_util.tree_leaves(shapes), jax.tree_util.tree_leaves(mask)) if m))
+
+
+def init_state(cfg: EngineConfig, batch_size: int, dtype=jnp.float32) -> State:
+    """The zero carry of a stream start."""
+    L, B, H, dH = cfg.n_layers, batch_size, cfg.n_heads, cfg.d_head
+    return {
+        "thought": jnp.zeros((B, cfg.d_model), dtype),
+        "S": jnp.zeros((L, B, H, dH, dH), dtype),
+        "z": jnp.zeros((L, B, H, dH), dtype),
+        "phase": jnp.zeros((L, B, cfg.n_oscillators), dtype),
+    }
+
+
+# ----------------------------------------------------------------------------- forward
+
+def _dtypes(params: Params, cfg: EngineConfig):
+    """(accumulation dtype, matmul dtype): float64 params run float64 throughout."""
+    if params["observe"].dtype == jnp.float64:
+        return jnp.float64, jnp.float64
+    return jnp.float32, jnp.dtype(cfg.compute_dtype)
+
+
+def layer_norm(x, p, eps):
+    mu = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mu).mean(-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + eps) * p["weight"] + p["bias"]
+
+
+def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, mm_dtype):
+    B, C, _ = x_BxCxD.shape
+    H, dH, Lv = cfg.n_heads, cfg.d_head, cfg.n_levels
+    acc = S_BxHxdxd.dtype
+    qkv = jnp.einsum("bcd,jde->jbce", x_BxCxD.astype(mm_dtype), p["w_qkv"].astype(mm_dtype))
+    qkv = qkv.astype(acc) + p["b_qkv"][:, None, None, :]
+    q, k, v = (a.reshape(B, C, H, dH).transpose(0, 2, 1, 3) for a in qkv)   # (B, H, C, dH)
+    offsets = jax.lax.stop_gradient(p["level_offsets"])[None, :, None, None, None]
+    qf = attn_k.elu1(q[:, None] + offsets)                                    # (B, Lv, H, C, dH)
+    kf = attn_k.elu1(k[:, None] + offsets)
+    shape = (B, Lv, H, C, dH)
+    y, S_l, z_l = attn_k.linear_attention(
+        qf, kf, jnp.broadcast_to(v[:, None], shape),
+        jnp.broadcast_to(S_BxHxdxd[:, None], (B, Lv, H, dH, dH)),
+        jnp.broadcast_to(z_BxHxd[:, None], (B, Lv, H, dH)),
+        reset_BxC[:, None, None, :], block_size=cfg.attn_block_size)
+    mix = jax.nn.softmax(p["level_logits"])
+    a = jnp.einsum("l,blhcd->bchd", mix, y).reshape(B, C, H * dH)
+    out = jnp.einsum("bcd,de->bce", a.astype(mm_dtype), p["w_out"].astype(mm_dtype)).astype(acc)
+    new_S = jax.lax.stop_gradient(S_l.mean(1))
+    new_z = jax.lax.stop_gradient(z_l.mean(1))
+    return out + p["b_out"], new_S, new_z
+
+
+def _phases(p, y_BxCxD, cfg: EngineConfig):
+    if cfg.is_atom:
+        base = jnp.einsum("bcd,d->bc", y_BxCxD, p["phase_proj"]["weight"][0]) + p["phase_proj"]["bias"][0]
+    else:
+        base = kur_k.mean_phase_encoding(y_BxCxD)
+    theta0 = kur_k.initial_phases(base, cfg.n_oscillators)
+    return kur_k.integrate(theta0, p["omega"], p["coupling_u"], p["coupling_lambda"],
+                           n_steps=cfg.kuramoto_steps, dt=cfg.kuramoto_dt, damping=cfg.kuramoto_damping)
+
+
+def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, mm_dtype):
+    B, C, D = x_BxCxD.shape
+    E, K = cfg.n_experts, cfg.top_k
+    psi = theta_BxCxN if cfg.is_atom else jnp.broadcast_to(theta_BxCxN[:, -1:], theta_BxCxN.shape)
+    g = moe_k.gates(moe_k.mean_phase(psi), jax.lax.stop_gradient(p["expert_phases"]),
+                    cfg.moe_kappa / cfg.gate_temperature)                     # (B, C, E)
+    idx, w = moe_k.top_k_route(g, K)
+    rows = cfg.moe_group_rows or B
+    if B % rows:
+        raise ValueError(f"batch {B} is not a multiple of moe_group_rows={rows}")
+    n_groups, T = B // rows, rows * C
+    capacity = moe_k.expert_capacity(T, E, K, cfg.capacity_factor)
+    factors = {k: (v.astype(mm_dtype) if k != "expert_phases" else v) for k, v in p.items()}
+    y, kept = jax.vmap(lambda x, i, ww: moe_k.moe_capacity(x, i, ww, factors, capacity))(
+        x_BxCxD.reshape(n_groups, T, D).astype(mm_dtype), idx.reshape(n_groups, T, K),
+        w.reshape(n_groups, T, K).astype(mm_dtype))
+    hits = jnp.einsum("tk,tke->e", kept.reshape(-1, K).astype(jnp.float32),
+                      jax.nn.one_hot(idx.reshape(-1, K), E, dtype=jnp.float32))
+    stats = (moe_k.load_balance(g), kept.mean(dtype=jnp.float32), hits, g.reshape(-1, E).mean(0), idx)
+    return y.reshape(B, C, D).astype(x_BxCxD.dtype), stats
+
+
+def block_forward(p, h_BxCxD, carry, reset_BxC, cfg: EngineConfig, mm_dtype):
+    """One block on a chunk: (h, (S, z, phase)) → (h, (S, z, phase), stats)."""
+    S, z, _ = carry
+    a, S, z = _attention(p["attn"], layer_norm(h_BxCxD, p["norm_attn"], cfg.ln_eps), S, z,
+                         reset_BxC, cfg, mm_dtype)
+    h = h_BxCxD + a
+    theta = _phases(p["kuramoto"], layer_norm(h, p["norm_kur"], cfg.ln_eps), cfg)
+    m, stats = _moe(p["moe"], layer_norm(h, p["norm_moe"], cfg.ln_eps), theta, cfg, mm_dtype)
+    phase = jax.lax.stop_gradient(theta[:, -1])
+    return h + m, (S, z, phase), stats
+
+
+def embed(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
+    """observe[ids] + atom features at boundary ids + the thought at position 0; reset mask."""
+    acc, _ = _dtypes(params, cfg)
+    h = params["observe"][ids_BxC].astype(acc)
+    if feats is not None:
+        if not cfg.is_atom:
+            raise ValueError("atom features given to a parent-variant engine")
+        f = jnp.einsum("bcf,df->bcd", feats.astype(acc), params["atom_feat"]["weight"]) + params["atom_feat"]["bias"]
+        at_boundary = (ids_BxC >= BOUNDARY_IDS[0]) & (ids_BxC <= BOUNDARY_IDS[1])
+        h = h + jnp.where(at_boundary[..., None], f, 0.0)
+    if cfg.bos_id is None:
+        reset = jnp.zeros(ids_BxC.shape, bool)
+    else:
+        reset = ids_BxC == cfg.bos_id
+    thought = jnp.where(reset[:, :1], 0.0, state["thought"].astype(acc))
+    h = h.at[:, 0].add(thought)
+    return h, reset
+
+
+def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
+    """The chunk forward up to the last hidden state: (h (B, C, D), Aux, new_state)."""
+    acc, mm_dtype = _dtypes(params, cfg)
+    h, reset = embed(params, state, ids_BxC, cfg, feats)
+
+    def layer(h, xs):
+        p, S, z, phase = xs
+        h, (S, z, phase), stats = block_forward(p, h, (S, z, phase), reset, cfg, mm_dtype)
+        return h, (S, z, phase, stats)
+
+    if cfg.remat:
+        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+    carry_in = (state["S"].astype(acc), state["z"].astype(acc), state["phase"].astype(acc))
+    h, (S, z, phase, (lb, keep, hits, gate_mean, idx)) = jax.lax.scan(layer, h, (params["blocks"], *carry_in))
+    new_state = {"thought": jax.lax.stop_gradient(h[:, -1]), "S": S, "z": z, "phase": phase}
+    aux = Aux(lb=lb.sum(), lb_per_layer=lb, keep_rate=keep, expert_hits=hits, gate_mean=gate_mean,
+              expert_idx=idx)
+    return h, aux, new_state
+
+
+def logits_from_hidden(params: Params, h_BxCxD):
+    return jnp.einsum("bcd,vd->bcv", h_BxCxD, params["observe"].astype(h_BxCxD.dtype))
+
+
+def forward_chunk(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
+    """(logits (B, C, V), lb, new_state): the engine on one chunk, jit-able with cfg static."""
+    h, aux, new_state = forward_hidden(params, state, ids_BxC, cfg, feats)
+    return logits_from_hidden(params, h), aux.lb, new_state
+
+
+def confidence(params: Params, h_BxD):
+    """sigmoid(confidence_head(h)): the decode step's confidence, (B,)."""
+    p = params["confidence_head"]
+    return jax.nn.sigmoid(h_BxD @ p["weight"][0].astype(h_BxD.dtype) + p["bias"][0])

@@ -1,0 +1,5 @@
+"""Test setup: 8 fake CPU devices (for the sharding tests) before JAX initialises."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,0 +1,184 @@
+"""The fast kernels against their executable references, in float64."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from fractus_jax.kernels import attention as A
+from fractus_jax.kernels import kuramoto as K
+from fractus_jax.kernels import moe as M
+from fractus_jax.kernels.loss import chunked_cross_entropy
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _attn_inputs(key, B=3, C=21, dH=5, reset=None):
+    ks = jax.random.split(key, 5)
+    qf = A.elu1(jax.random.normal(ks[0], (B, C, dH), jnp.float64))
+    kf = A.elu1(jax.random.normal(ks[1], (B, C, dH), jnp.float64))
+    v = jax.random.normal(ks[2], (B, C, dH), jnp.float64)
+    S0 = jnp.abs(jax.random.normal(ks[3], (B, dH, dH), jnp.float64))
+    z0 = jnp.abs(jax.random.normal(ks[4], (B, dH), jnp.float64))
+    if reset is None:
+        reset = jnp.zeros((B, C), bool)
+    return qf, kf, v, S0, z0, reset
+
+
+def _resets(B, C, block):
+    r = np.zeros((B, C), bool)
+    r[0, block // 2] = True                 # mid-block
+    r[1, block] = True                      # at a block start
+    r[1, 2 * block + 1] = r[1, 2 * block + 2] = True   # back to back
+    r[2, 0] = True                          # first position: the carry never enters
+    r[2, C - 1] = True                      # last position: the carry out is one token's
+    return jnp.asarray(r)
+
+
+@pytest.mark.parametrize("block", [1, 4, 7, 64])
+def test_chunkwise_attention_equals_position_scan(block):
+    B, C = 3, 21
+    inputs = _attn_inputs(jax.random.PRNGKey(0), B, C, reset=_resets(B, C, 4))
+    y_ref, S_ref, z_ref = A.linear_attention_reference(*inputs)
+    y, S, z = A.linear_attention(*inputs, block_size=block)
+    # The test can fail: the resets change the outputs they should change.
+    y_noreset, _, _ = A.linear_attention_reference(*inputs[:5], jnp.zeros((B, C), bool))
+    assert float(jnp.abs(y_noreset - y_ref).max()) > 1e-3
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(S, S_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(z, z_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_reset_isolates_rows_and_drops_carry():
+    B, C = 3, 12
+    r = jnp.zeros((B, C), bool).at[0, 5].set(True)
+    qf, kf, v, S0, z0, _ = _attn_inputs(jax.random.PRNGKey(1), B, C)
+    y, _, _ = A.linear_attention(qf, kf, v, S0, z0, r, block_size=4)
+    y2, _, _ = A.linear_attention(qf, kf, v, S0 * 3.0, z0 * 3.0, r, block_size=4)
+    # Row 0 after its reset no longer sees the carry; before it, and other rows, do.
+    np.testing.assert_allclose(y[0, 5:], y2[0, 5:], rtol=1e-12)
+    assert float(jnp.abs(y[0, :5] - y2[0, :5]).max()) > 1e-6
+    assert float(jnp.abs(y[1] - y2[1]).max()) > 1e-6
+
+
+def test_attention_gradients():
+    inputs = _attn_inputs(jax.random.PRNGKey(2), 2, 9, 3, reset=jnp.zeros((2, 9), bool).at[0, 4].set(True))
+    f = lambda q, k, v, S, z: A.linear_attention(q, k, v, S, z, inputs[5], block_size=4)  # noqa: E731
+    check_grads(f, inputs[:5], order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+    g_fast = jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)[0])), argnums=(0, 1, 2, 3, 4))(*inputs[:5])
+    g_ref = jax.grad(lambda *a: jnp.sum(jnp.sin(A.linear_attention_reference(*a, inputs[5])[0])),
+                     argnums=(0, 1, 2, 3, 4))(*inputs[:5])
+    for a, b in zip(g_fast, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_attention_is_causal():
+    qf, kf, v, S0, z0, r = _attn_inputs(jax.random.PRNGKey(3), 1, 16)
+    t = 6
+    jac = jax.jacrev(lambda vv: A.linear_attention(qf, kf, vv, S0, z0, r, block_size=4)[0][0, t])(v)
+    assert float(jnp.abs(jac[..., : t + 1, :]).max()) > 0.0
+    assert float(jnp.abs(jac[..., t + 1:, :]).max()) == 0.0
+
+
+def test_farey_phases():
+    want = [0, 0.8378, 1.5708, 2.3562, 3.1416, 3.9270, 4.7124, 5.4454]
+    np.testing.assert_allclose(M.farey_phases(8), want, atol=1e-4)
+    assert len(set(np.round(M.farey_phases(128), 12))) == 128
+
+
+def _moe_setup(key, T=40, D=6, E=8, F=10, r=3, K=2):
+    ks = jax.random.split(key, 10)
+    u = lambda k, s: jax.random.uniform(k, s, jnp.float64, -0.5, 0.5)  # noqa: E731
+    f = {"U1": u(ks[0], (E, F, r)), "V1": u(ks[1], (E, D, r)), "U2": u(ks[2], (E, D, r)),
+         "V2": u(ks[3], (E, F, r)), "scale1": 1 + u(ks[4], (E, 1, 1)), "scale2": 1 + u(ks[5], (E, 1, 1)),
+         "b1": u(ks[6], (E, F)), "b2": u(ks[7], (E, D))}
+    x = jax.random.normal(ks[8], (T, D), jnp.float64)
+    theta_bar = jax.random.uniform(ks[9], (T,), jnp.float64, -np.pi, np.pi)
+    g = M.gates(theta_bar, jnp.asarray(M.farey_phases(E)), 1.6)
+    idx, w = M.top_k_route(g, K)
+    return x, idx, w, f
+
+
+def test_capacity_moe_equals_exact_without_overflow():
+    x, idx, w, f = _moe_setup(jax.random.PRNGKey(4))
+    T, K = idx.shape
+    E = f["b2"].shape[0]
+    cap = M.expert_capacity(T, E, K, E / K)
+    assert cap == T
+    y_cap, kept = M.moe_capacity(x, idx, w, f, cap)
+    y_ref = M.moe_exact(x, idx, w, f)
+    assert bool(kept.all())
+    assert float(jnp.abs(y_ref).max()) > 1e-3
+    np.testing.assert_allclose(y_cap, y_ref, rtol=1e-12, atol=1e-12)
+    g1 = jax.grad(lambda x, f: jnp.sum(jnp.tanh(M.moe_capacity(x, idx, w, f, cap)[0])), argnums=(0, 1))(x, f)
+    g2 = jax.grad(lambda x, f: jnp.sum(jnp.tanh(M.moe_exact(x, idx, w, f))), argnums=(0, 1))(x, f)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), g1, g2)
+
+
+def test_capacity_overflow_drops_later_assignments():
+    x, idx, w, f = _moe_setup(jax.random.PRNGKey(5), T=40)
+    T, K = idx.shape
+    E = f["b2"].shape[0]
+    cap = 3
+    y_cap, kept = M.moe_capacity(x, idx, w, f, cap)
+    # The drop rule written as a plain loop: first choices in token order, then seconds.
+    load = np.zeros(E, int)
+    want_kept = np.zeros((T, K), bool)
+    for k in range(K):
+        for t in range(T):
+            e = int(idx[t, k])
+            if load[e] < cap:
+                load[e] += 1
+                want_kept[t, k] = True
+    assert 0 < want_kept.sum() < T * K
+    np.testing.assert_array_equal(np.asarray(kept), want_kept)
+    # Dropped assignments contribute zero and the other weight is not renormalised.
+    w_kept = jnp.where(jnp.asarray(want_kept), w, 0.0)
+    np.testing.assert_allclose(y_cap, M.moe_exact(x, idx, w_kept, f), rtol=1e-12, atol=1e-12)
+    keep_rate = float(kept.mean())
+    assert keep_rate == pytest.approx(want_kept.sum() / (T * K))
+
+
+def test_gates_and_load_balance():
+    E = 8
+    phases = jnp.asarray(M.farey_phases(E))
+    g = M.gates(jnp.array([0.3, 2.0, -1.0]), phases, 1.6)
+    np.testing.assert_allclose(g.sum(-1), 1.0, rtol=1e-12)
+    idx, w = M.top_k_route(g, 2)
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-12)
+    assert int(idx[0, 0]) == int(jnp.argmax(g[0]))
+    assert float(M.load_balance(jnp.full((5, E), 1.0 / E))) == pytest.approx(0.0, abs=1e-15)
+    one_hot = jax.nn.one_hot(jnp.zeros(5, int), E, dtype=jnp.float64)
+    assert float(M.load_balance(one_hot)) == pytest.approx(E * ((1 - 1 / E) ** 2 + (E - 1) / E ** 2))
+
+
+def test_kuramoto_wraps_and_differentiates():
+    N, r = 6, 3
+    ks = jax.random.split(jax.random.PRNGKey(6), 4)
+    omega = jax.random.uniform(ks[0], (N,), jnp.float64, -0.2, 0.2)
+    U = jax.random.uniform(ks[1], (N, r), jnp.float64, -1, 1)
+    lam = jax.random.uniform(ks[2], (r,), jnp.float64, 0.01, 0.51)
+    theta0 = K.initial_phases(jax.random.normal(ks[3], (4,), jnp.float64) * 3, N)
+    run = lambda o, u, l, t: K.integrate(t, o, u, l, n_steps=3, dt=0.1, damping=0.01)  # noqa: E731
+    theta = run(omega, U, lam, theta0)
+    assert float(theta.min()) >= 0.0 and float(theta.max()) < 2 * np.pi
+    assert float(jnp.abs(theta - theta0).max()) > 1e-3
+    # Away from the wrap point the mod has slope 1, so finite differences hold.
+    check_grads(lambda o, u, l: run(o, u, l, theta0), (omega, U, lam), order=1, modes=["rev"], atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_ce_equals_full_softmax():
+    ks = jax.random.split(jax.random.PRNGKey(7), 3)
+    h = jax.random.normal(ks[0], (3, 7, 5), jnp.float64)
+    W = jax.random.normal(ks[1], (11, 5), jnp.float64)
+    t = jax.random.randint(ks[2], (3, 7), 0, 11)
+    full = lambda h, W: jnp.mean(jax.nn.logsumexp(h @ W.T, -1) - jnp.take_along_axis(h @ W.T, t[..., None], -1)[..., 0])  # noqa: E731
+    for chunk in (1, 4, 21, 100):
+        np.testing.assert_allclose(chunked_cross_entropy(h, W, t, chunk), full(h, W), rtol=1e-12)
+        ga = jax.grad(lambda h, W: chunked_cross_entropy(h, W, t, chunk), argnums=(0, 1))(h, W)
+        gb = jax.grad(full, argnums=(0, 1))(h, W)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14), ga, gb)
