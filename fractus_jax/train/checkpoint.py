@@ -1,0 +1,133 @@
+"""Run directories: Orbax checkpoints plus a human-readable manifest.
+
+    DIR/checkpoints/<step>/{params, opt_state, extra, meta}   (Orbax, committed atomically)
+    DIR/manifest.json                                          (rewritten after each commit)
+    DIR/metrics.jsonl
+
+Orbax writes a step into a temporary directory and renames it when complete, so a crash
+mid-write leaves the previous step intact (a new manager ignores the leftover). The
+manifest is written after the commit, by rename too, so it never names a step that is not
+on disk. Parameters, optimizer moments and the rest are separate items: inference and
+conversion restore only what they need.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+from fractus_jax.config import EngineConfig
+from fractus_jax.train.config import TrainConfig
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+ITEMS = ("params", "opt_state", "extra", "meta")
+
+
+class CheckpointError(ValueError):
+    """A run directory that cannot be used as asked."""
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(workdir) -> Optional[dict]:
+    path = Path(workdir) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+
+
+def _manager(workdir, keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                           enable_async_checkpointing=False, read_only=read_only)
+    return ocp.CheckpointManager(Path(workdir).resolve() / CHECKPOINTS, options=options, item_names=ITEMS)
+
+
+class RunCheckpointer:
+    """Saves and restores a trainer's state in a run directory."""
+
+    def __init__(self, workdir, keep: int = 3, read_only: bool = False):
+        self.workdir = Path(workdir)
+        self.manager = _manager(workdir, keep, read_only)
+
+    def latest_step(self) -> Optional[int]:
+        return self.manager.latest_step()
+
+    def save(self, state, meta: dict) -> None:
+        step = int(meta["step"])
+        extra = {k: state[k] for k in ("carry", "step", "skipped")}
+        self.manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state["params"]),
+            opt_state=ocp.args.StandardSave(state["opt_state"]),
+            extra=ocp.args.StandardSave(extra),
+            meta=ocp.args.JsonSave(meta)), force=True)
+        self.manager.wait_until_finished()
+        if jax.process_index() == 0:
+            manifest = dict(meta, checkpoint=f"{CHECKPOINTS}/{step}", format=FORMAT_VERSION,
+                            time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+            write_json_atomic(self.workdir / MANIFEST, manifest)
+
+    def restore(self, abstract_state, step: Optional[int] = None, items=("params", "opt_state", "extra")):
+        """Restore into the shapes/dtypes/shardings of `abstract_state` (ShapeDtypeStructs)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"{self.workdir} holds no checkpoint")
+        if step not in self.manager.all_steps():
+            raise CheckpointError(f"{self.workdir} has no checkpoint at step {step} "
+                                  f"(steps: {sorted(self.manager.all_steps())})")
+        extra_abstract = {k: abstract_state[k] for k in ("carry", "step", "skipped")}
+        wanted = {"params": abstract_state["params"], "opt_state": abstract_state["opt_state"],
+                  "extra": extra_abstract}
+        args = {k: ocp.args.StandardRestore(wanted[k]) for k in items}
+        args["meta"] = ocp.args.JsonRestore()
+        restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+        state = {k: restored[k] for k in items if k != "extra"}
+        if "extra" in items:
+            state.update(restored["extra"])
+        return state, restored["meta"]
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def abstract_with_shardings(abstract, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def load_for_inference(run_dir, step: Optional[int] = None):
+    """(params, EngineConfig) of a run directory's latest (or given) checkpoint, on one device."""
+    from fractus_jax.train import state as train_state
+
+    manifest = read_manifest(run_dir)
+    if manifest is None:
+        raise CheckpointError(f"{run_dir} is not a run directory (no {MANIFEST})")
+    cfg = TrainConfig.from_dict(manifest["config"])
+    abstract = train_state.abstract_train_state(cfg)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    ckpt = RunCheckpointer(run_dir, read_only=True)
+    try:
+        state, _ = ckpt.restore(abstract, step, items=("params",))
+    finally:
+        ckpt.close()
+    return state["params"], cfg.model
+
+
+def engine_config_of(manifest: dict) -> EngineConfig:
+    return EngineConfig.from_dict(manifest["config"]["model"])

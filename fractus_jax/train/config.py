@@ -1,0 +1,182 @@
+"""The trainer's configuration: frozen dataclasses, config files and dotted overrides.
+
+`--config NAME` loads `configs/NAME.py` (or a path), whose `get_config()` returns a
+TrainConfig; `--set a.b=value` replaces one field, parsed by the field's declared type.
+The PyTorch trainers' environment names (BATCH, LR, ...) are accepted as override keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import typing
+from pathlib import Path
+from typing import Any, Optional
+
+from fractus_jax.config import EngineConfig
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config name, file or override."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    fsdp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: EngineConfig
+    batch_size: int = 8
+    seq_len: int = 128
+    max_steps: int = 1000
+    optimizer: str = "adamw"          # "adamw" or "sgd"
+    lr: float = 3e-4
+    warmup_steps: int = 800
+    momentum: float = 0.9             # SGD
+    b1: float = 0.9                   # AdamW
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    accum: int = 1                    # consecutive chunks per update, the carry flowing through
+    ce_chunk: int = 1024              # positions per cross-entropy block
+    lb_coef: float = 0.02
+    repeat_coef: float = 0.0
+    ss_rate: float = 0.0              # probability of a scheduled-sampling update per step
+    ss_p0: float = 0.0
+    ss_p1: float = 0.25
+    ss_ramp: int = 64                 # positions over which ss_prob goes from p0 to p1
+    ss_temperature: float = 0.9
+    corpus: str = ""                  # empty: the embedded default corpus (standard library text)
+    start_token: Optional[int] = None  # offset inside each lane; None: 0 fresh, the checkpoint's on resume
+    feats: bool = False               # atom packet features into the engine
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 1000
+    save_every_minutes: float = 0.0
+    keep_checkpoints: int = 3
+    probe_every: int = 0
+    deadline: str = ""                # ISO time or unix seconds: save and stop before it
+    init_from: str = ""               # a run directory whose weights start a fresh run
+    mesh: MeshConfig = MeshConfig()
+
+    def __post_init__(self):
+        checks = [
+            (self.optimizer in ("adamw", "sgd"), f"optimizer must be adamw or sgd, got {self.optimizer!r}"),
+            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
+            (self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}"),
+            (self.accum >= 1, f"accum must be >= 1, got {self.accum}"),
+            (0.0 <= self.ss_rate <= 1.0, f"ss_rate must be in [0, 1], got {self.ss_rate}"),
+            (self.start_token is None or self.start_token >= 0, f"start_token must be >= 0, got {self.start_token}"),
+            (self.mesh.data >= 1 and self.mesh.fsdp >= 1, f"mesh sizes must be >= 1, got {self.mesh}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        d = dict(d)
+        d["model"] = EngineConfig.from_dict(d["model"])
+        d["mesh"] = MeshConfig(**d.get("mesh", {}))
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# Override keys that are not field paths: the PyTorch trainers' environment names, and
+# the issue's short names for engine fields.
+ALIASES = {
+    "BATCH": "batch_size", "SEQ": "seq_len", "LR": "lr", "OPT": "optimizer",
+    "WARMUP_STEPS": "warmup_steps", "SS_RATE": "ss_rate", "REPEAT_COEF": "repeat_coef",
+    "SAVE_EVERY": "save_every", "START_TOKEN": "start_token", "CE_CHUNK": "ce_chunk",
+    "ACCUM": "accum", "BLOCK_CKPT": "model.remat", "PROBE_EVERY": "probe_every",
+    "MAX_STEPS": "max_steps", "CKPT_IN": "init_from",
+    "remat": "model.remat", "dtype": "model.compute_dtype",
+}
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def load_config(name: str) -> TrainConfig:
+    """NAME → configs/NAME.py (or NAME as a path) → its get_config()."""
+    path = Path(name)
+    if not (path.suffix == ".py" and path.exists()):
+        candidates = [Path.cwd() / "configs" / f"{name}.py", CONFIG_DIR / f"{name}.py"]
+        path = next((p for p in candidates if p.exists()), None)
+        if path is None:
+            known = sorted(p.stem for p in CONFIG_DIR.glob("*.py")) if CONFIG_DIR.exists() else []
+            raise ConfigError(f"no config named {name!r} (looked in {', '.join(str(p) for p in candidates)}; "
+                              f"known: {', '.join(known)})")
+    spec = importlib.util.spec_from_file_location(f"fractus_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} defines no get_config()")
+    cfg = module.get_config()
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not TrainConfig")
+    return cfg
+
+
+def _parse(value: str, annotation, key: str):
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value.lower() in ("none", "null", ""):
+            return None
+        return _parse(value, args[0], key)
+    try:
+        if annotation is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if annotation is int:
+            return int(value)
+        if annotation is float:
+            return float(value)
+        return value
+    except ValueError:
+        raise ConfigError(f"--set {key}={value}: expected {annotation.__name__}") from None
+
+
+def _replace_path(obj, path: list[str], value: str, key: str):
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if path[0] not in fields:
+        raise ConfigError(f"--set {key}: {type(obj).__name__} has no field {path[0]!r} "
+                          f"(fields: {', '.join(fields)})")
+    if len(path) == 1:
+        field = fields[path[0]]
+        hints = typing.get_type_hints(type(obj))
+        return dataclasses.replace(obj, **{path[0]: _parse(value, hints.get(field.name, field.type), key)})
+    child = getattr(obj, path[0])
+    if not dataclasses.is_dataclass(child):
+        raise ConfigError(f"--set {key}: {path[0]} is not a group of fields")
+    return dataclasses.replace(obj, **{path[0]: _replace_path(child, path[1:], value, key)})
+
+
+def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
+    """Apply `key=value` overrides in order; keys are dotted field paths or ALIASES."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        path = ALIASES.get(key, key)
+        try:
+            cfg = _replace_path(cfg, path.split("."), value.strip(), key)
+        except ConfigError:
+            raise
+        except ValueError as e:  # a __post_init__ check of the new value
+            raise ConfigError(f"--set {key}={value}: {e}") from None
+    return cfg
+
+
+def config_json(cfg: TrainConfig) -> str:
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)

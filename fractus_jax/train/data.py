@@ -1,0 +1,49 @@
+"""Lanes over a memory-mapped corpus (SPEC §6).
+
+With batch B the corpus is cut into B equal lanes; row b always reads lane b, so its
+carried state continues its own text. `pos` (the manifest's start_token_next) is the
+offset inside every lane. A step reads `accum` consecutive chunks of C inputs plus one
+target past them: lane[pos : pos + accum·C + 1]. When a lane has no room left for a
+step, every lane starts again at 0 (an epoch); a process reads only its own rows.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+class DataError(ValueError):
+    """The corpus cannot serve this batch shape."""
+
+
+class LaneReader:
+    def __init__(self, ids, batch_size: int, seq_len: int, accum: int = 1,
+                 rows: Optional[Sequence[int]] = None, source: str = "corpus"):
+        self.ids = ids
+        self.batch_size, self.seq_len, self.accum = batch_size, seq_len, accum
+        self.n_ids = len(ids)
+        self.lane_len = self.n_ids // batch_size
+        self.span = accum * seq_len
+        self.rows = list(range(batch_size)) if rows is None else list(rows)
+        if self.lane_len < self.span + 1:
+            raise DataError(
+                f"{source} has {self.n_ids} ids: {batch_size} lanes of {self.lane_len} ids cannot "
+                f"serve {accum}×{seq_len}+1 ids per step; use a larger corpus or a smaller batch/seq")
+
+    def position(self, pos: int) -> int:
+        """Where a step asked to start at pos really starts (0 after the end of a lane)."""
+        if pos < 0:
+            raise DataError(f"lane offset must be >= 0, got {pos}")
+        return 0 if pos + self.span + 1 > self.lane_len else pos
+
+    def read(self, pos: int) -> tuple[np.ndarray, int]:
+        """(ids (accum, rows, C + 1) int32, the next step's offset)."""
+        pos = self.position(pos)
+        out = np.empty((len(self.rows), self.span + 1), np.int32)
+        for i, b in enumerate(self.rows):
+            start = b * self.lane_len + pos
+            out[i] = self.ids[start:start + self.span + 1]
+        C = self.seq_len
+        chunks = np.stack([out[:, a * C:a * C + C + 1] for a in range(self.accum)])
+        return chunks, pos + self.span

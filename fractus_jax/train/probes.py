@@ -1,0 +1,97 @@
+"""Probes: what a falling CE does not show (SPEC §6), run every probe_every steps.
+
+Each probe is one jitted function of the parameters on fixed inputs (a fresh carry, the
+same corpus rows every time), so values are comparable across steps and across resumes:
+  * ce / echo: teacher-forced CE on probe rows, and the fraction of positions whose argmax
+    repeats the input id (an echoing model has low CE on repetitive text, and no speech);
+  * the speech gate: greedy decoding of 40 ids from an open prefix; unique ids and unique
+    bytes among them (a model that only emits spaces has 1);
+  * AR eval: warm on 32 true ids, then 32 greedy steps fed back; CE of those predictions
+    against the true continuation and the rate of exact matches;
+  * load balance per block: lb, expert hits, alive experts (≥ 1 hit), capacity keep rate.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fractus_jax import model
+from fractus_jax.decode import decode_ids
+from fractus_jax.train.config import TrainConfig
+
+PROBE_ROWS = 4
+PROBE_LEN = 64
+WARM, FREE = 32, 32
+SPEECH_STEPS = 40
+SPEECH_PROMPT = "The meaning of "
+
+
+def _probe_rows(corpus, n_rows: int, length: int) -> np.ndarray:
+    """Rows of length+1 ids from offsets spread evenly over the corpus."""
+    n = corpus.n_ids
+    starts = np.linspace(0, max(0, n - length - 2), n_rows).astype(np.int64)
+    return np.stack([np.asarray(corpus.ids[s:s + length + 1], np.int32) for s in starts])
+
+
+def _teacher_forced(params, rows, cfg):
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    state = model.init_state(cfg, rows.shape[0])
+    h, aux, _ = model.forward_hidden(params, state, inputs, cfg)
+    logits = model.logits_from_hidden(params, h).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, -1)
+    ce = -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+    echo = (jnp.argmax(logits, -1) == inputs).mean()
+    alive = (aux.expert_hits > 0).sum(-1)
+    return {"ce": ce, "echo": echo, "lb_per_block": aux.lb_per_layer, "keep_rate_per_block": aux.keep_rate,
+            "alive_experts": alive, "expert_hits": aux.expert_hits}
+
+
+def _ar_eval(params, rows, cfg):
+    """Warm on WARM true ids, then FREE greedy steps with C = 1, each fed its own guess."""
+    warm, truth = rows[:, :WARM], rows[:, WARM:WARM + FREE]
+    state = model.init_state(cfg, rows.shape[0])
+    h, _, state = model.forward_hidden(params, state, warm, cfg)
+    logits = model.logits_from_hidden(params, h[:, -1:])[:, 0]
+
+    def step(carry, true_id):
+        state, logits = carry
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+        ce = -jnp.take_along_axis(logp, true_id[:, None], -1)[:, 0]
+        guess = jnp.argmax(logits, -1).astype(jnp.int32)
+        h, _, state = model.forward_hidden(params, state, guess[:, None], cfg)
+        return (state, model.logits_from_hidden(params, h)[:, 0]), (ce, guess == true_id)
+
+    _, (ce, match) = jax.lax.scan(step, (state, logits), truth.T)
+    return {"ce": ce.mean(), "match": match.mean()}
+
+
+class Prober:
+    def __init__(self, cfg: TrainConfig, corpus):
+        self.cfg = cfg.model
+        self.rows = jnp.asarray(_probe_rows(corpus, PROBE_ROWS, max(PROBE_LEN, WARM + FREE)))
+        self._tf = jax.jit(_teacher_forced, static_argnums=2)
+        self._ar = jax.jit(_ar_eval, static_argnums=2)
+        self.prompt = None
+        if self.cfg.vocab_size == 266:
+            from fractus_jax.atom import encode_open
+            self.prompt = jnp.asarray(encode_open(SPEECH_PROMPT), jnp.int32)[None]
+
+    def run(self, params, initial: bool = False) -> dict:
+        tf = jax.device_get(self._tf(params, self.rows, self.cfg))
+        ar = jax.device_get(self._ar(params, self.rows, self.cfg))
+        prefix = "init" if initial else "probe"
+        out = {f"{prefix}_ce": float(tf["ce"]), f"{prefix}_echo": float(tf["echo"]),
+               "ar_ce": float(ar["ce"]), "ar_match": float(ar["match"]),
+               "lb_per_block": [round(float(x), 6) for x in tf["lb_per_block"]],
+               "keep_rate_per_block": [round(float(x), 4) for x in tf["keep_rate_per_block"]],
+               "alive_experts": [int(x) for x in tf["alive_experts"]],
+               "expert_hits": np.asarray(tf["expert_hits"], np.int64).tolist()}
+        if self.prompt is not None:
+            ids, _, n_valid = jax.device_get(decode_ids(params, self.cfg, self.prompt, SPEECH_STEPS))
+            gen = ids[0, : int(n_valid[0])]
+            from fractus_jax.atom import decode
+            out.update(speech_unique_ids=int(np.unique(gen).size),
+                       speech_unique_bytes=int(np.unique(gen[gen < 256]).size),
+                       speech_text=decode(gen))
+        return out

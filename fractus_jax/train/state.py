@@ -1,0 +1,91 @@
+"""The train state: parameters, optimizer moments, carried state and counters.
+
+Built the way large runs need: the abstract state (`jax.eval_shape`, nothing allocated)
+gives the shardings, then one jitted init writes every array straight into its shards.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fractus_jax import model, sharding
+from fractus_jax.train.config import TrainConfig
+
+
+def learning_rate(cfg: TrainConfig, step):
+    """Linear warmup to cfg.lr over warmup_steps trainer steps, then constant."""
+    return cfg.lr * jnp.minimum(1.0, (step + 1) / max(1, cfg.warmup_steps))
+
+
+def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
+    """The update direction at unit learning rate; the step scales it by learning_rate().
+
+    The schedule follows the trainer's step, not the optimizer's update count, so a
+    scheduled-sampling step (two updates) does not warm up twice as fast. Unit-rate AdamW
+    times lr is exactly AdamW at lr (weight decay included), likewise SGD with momentum.
+    """
+    if cfg.optimizer == "adamw":
+        inner = optax.adamw(1.0, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    else:
+        inner = optax.sgd(1.0, momentum=cfg.momentum)
+    train = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), inner)
+    labels = jax.tree.map(lambda trainable: "train" if trainable else "frozen", model.trainable_mask(params))
+    # Buffers (level offsets, expert phases) are weights the optimizer must not touch,
+    # not even through weight decay.
+    return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, labels)
+
+
+def _init(cfg: TrainConfig, key):
+    params = model.init_params(cfg.model, key)
+    tx = make_optimizer(cfg, params)
+    return {
+        "params": params,
+        "opt_state": tx.init(params),
+        "carry": model.init_state(cfg.model, cfg.batch_size),
+        "step": jnp.zeros((), jnp.int32),
+        "skipped": jnp.zeros((), jnp.int32),
+    }
+
+
+def abstract_train_state(cfg: TrainConfig):
+    return jax.eval_shape(lambda: _init(cfg, jax.random.PRNGKey(0)))
+
+
+def train_state_shardings(cfg: TrainConfig, mesh, abstract=None):
+    abstract = abstract if abstract is not None else abstract_train_state(cfg)
+    p_shard = sharding.param_shardings(abstract["params"], mesh)
+    rep = sharding.replicated(mesh)
+    return {"params": p_shard, "opt_state": _like_params(abstract["opt_state"], abstract["params"], p_shard, rep),
+            "carry": sharding.state_shardings(abstract["carry"], mesh), "step": rep, "skipped": rep}
+
+
+def _dict_keys(path) -> tuple:
+    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _like_params(opt_state, params, param_shardings, default):
+    """Each optimizer leaf that mirrors a parameter (a moment) is sharded like it."""
+    table = {_dict_keys(path): (leaf.shape, s) for (path, leaf), s in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_leaves(param_shardings))}
+
+    def pick(path, leaf):
+        keys = _dict_keys(path)
+        for i in range(len(keys)):
+            shape, s = table.get(keys[i:], (None, None))
+            if shape == leaf.shape:
+                return s
+        return default
+
+    return jax.tree_util.tree_map_with_path(pick, opt_state)
+
+
+def create_train_state(cfg: TrainConfig, mesh, key):
+    shardings = train_state_shardings(cfg, mesh)
+    return jax.jit(lambda k: _init(cfg, k), out_shardings=shardings)(key), shardings
+
+
+def with_params(cfg: TrainConfig, state, params):
+    """A fresh state (zero moments) around given parameters: a run started from weights."""
+    tx = make_optimizer(cfg, params)
+    return {**state, "params": params, "opt_state": tx.init(params)}

@@ -1,0 +1,131 @@
+"""One training step, as one jitted function of (state, batch) with the state donated.
+
+A step reads `accum` consecutive chunks per lane, (accum, B, C + 1) ids: inputs are
+[:, :, :-1], targets [:, :, 1:]. The carry flows through the chunks; gradients are
+averaged over them; one optimizer update follows (skipped, and counted, when the
+gradient norm is not finite). With probability ss_rate a scheduled-sampling update
+follows: the same chunks from the same starting carry, each input t ≥ 1 replaced with
+probability ss_prob(t) by a sample of the teacher-forced prediction at t − 1, loss
+0.5·CE + lb_coef·lb, applied to the parameters the first update produced.
+All randomness derives from (seed, step), so a resumed run draws the same numbers.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fractus_jax import model
+from fractus_jax.kernels.loss import cross_entropy_terms, sample_from_hidden
+from fractus_jax.train.config import TrainConfig
+from fractus_jax.train.state import learning_rate, make_optimizer
+
+METRIC_NAMES = ("ce_tf", "lb", "grad_norm", "lr", "skipped", "keep_rate", "repeat_prob",
+                "ce_ss", "ss_ran")
+
+
+def _loss(params, carry, inputs_BxC, targets_BxC, feats, cfg: TrainConfig, ce_weight: float):
+    h, aux, new_carry = model.forward_hidden(params, carry, inputs_BxC, cfg.model, feats)
+    ce, repeat = cross_entropy_terms(h, params["observe"], targets_BxC, cfg.ce_chunk,
+                                     repeat_ids_BxC=inputs_BxC)
+    loss = ce_weight * ce + cfg.lb_coef * aux.lb
+    if cfg.repeat_coef:
+        loss = loss + cfg.repeat_coef * repeat
+    return loss, (ce, aux.lb, aux.keep_rate.mean(), repeat, new_carry, h)
+
+
+def accumulate(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg: TrainConfig, ce_weight=1.0):
+    """Gradients averaged over consecutive chunks, the carry flowing through them."""
+    grad_fn = jax.value_and_grad(_loss, has_aux=True)
+    n = inputs_AxBxC.shape[0]
+
+    def micro(acc, xs):
+        carry, gsum = acc
+        inputs, targets, feats = xs
+        (_, (ce, lb, keep, rep, carry, h)), g = grad_fn(params, carry, inputs, targets, feats, cfg, ce_weight)
+        return (carry, jax.tree.map(jnp.add, gsum, g)), (ce, lb, keep, rep, h)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (carry, gsum), (ce, lb, keep, rep, h) = jax.lax.scan(micro, (carry, zeros),
+                                                         (inputs_AxBxC, targets_AxBxC, feats_A))
+    grads = jax.tree.map(lambda g: g / n, gsum)
+    return carry, grads, {"ce": ce.mean(), "lb": lb.mean(), "keep_rate": keep.mean(),
+                          "repeat_prob": rep.mean()}, h
+
+
+def _apply(tx, params, opt_state, grads, lr):
+    grad_norm = optax.global_norm(grads)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, jax.tree.map(lambda u: lr * u, updates))
+    ok = jnp.isfinite(grad_norm)
+    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+    return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state),
+            grad_norm, (~ok).astype(jnp.int32))
+
+
+def ss_prob(cfg: TrainConfig, C: int):
+    pos = jnp.arange(C, dtype=jnp.float32)
+    return cfg.ss_p0 + (cfg.ss_p1 - cfg.ss_p0) * jnp.minimum(1.0, pos / max(1, cfg.ss_ramp))
+
+
+def mix_inputs(cfg: TrainConfig, params, inputs_AxBxC, h_AxBxCxD, key):
+    """Replace input t ≥ 1 with probability ss_prob(t) by a sample of the prediction at t−1."""
+    A, B, C = inputs_AxBxC.shape
+    k_sample, k_coin = jax.random.split(key)
+    samples = jax.vmap(lambda h, k: sample_from_hidden(h, params["observe"], k, cfg.ss_temperature, cfg.ce_chunk))(
+        h_AxBxCxD, jax.random.split(k_sample, A))
+    predicted = jnp.concatenate([inputs_AxBxC[..., :1], samples[..., :-1]], axis=-1)
+    coin = jax.random.uniform(k_coin, (A, B, C)) < ss_prob(cfg, C)
+    replace = coin & (jnp.arange(C) >= 1)
+    return jnp.where(replace, predicted, inputs_AxBxC)
+
+
+def make_train_step(cfg: TrainConfig):
+    """step(state, batch) → (state, metrics); batch = {"ids": (A, B, C+1)[, "feats": (A, B, C, F)]}."""
+
+    def step(state, batch):
+        params, opt_state, carry0 = state["params"], state["opt_state"], state["carry"]
+        tx = make_optimizer(cfg, params)
+        ids = batch["ids"]
+        inputs, targets = ids[..., :-1], ids[..., 1:]
+        feats = batch.get("feats")
+        key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), state["step"])
+        lr = learning_rate(cfg, state["step"])
+
+        carry, grads, m, h = accumulate(params, carry0, inputs, targets, feats, cfg)
+        params, opt_state, grad_norm, skipped = _apply(tx, params, opt_state, grads, lr)
+        metrics = {"ce_tf": m["ce"], "lb": m["lb"], "keep_rate": m["keep_rate"],
+                   "repeat_prob": m["repeat_prob"], "grad_norm": grad_norm, "lr": lr}
+
+        if cfg.ss_rate > 0:
+            k_gate, k_mix = jax.random.split(key)
+
+            def with_ss(operand):
+                p, o = operand
+                mixed = mix_inputs(cfg, state["params"], inputs, h, k_mix)
+                _, g, m_ss, _ = accumulate(p, carry0, mixed, targets, feats, cfg, ce_weight=0.5)
+                p, o, _, sk = _apply(tx, p, o, g, lr)
+                return p, o, m_ss["ce"], sk, jnp.ones((), jnp.int32)
+
+            def without_ss(operand):
+                p, o = operand
+                return p, o, jnp.full((), jnp.nan, m["ce"].dtype), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+
+            run_ss = jax.random.uniform(k_gate) < cfg.ss_rate
+            params, opt_state, ce_ss, skipped_ss, ss_ran = jax.lax.cond(run_ss, with_ss, without_ss,
+                                                                        (params, opt_state))
+            skipped = skipped + skipped_ss
+        else:
+            ce_ss, ss_ran = jnp.full((), jnp.nan, m["ce"].dtype), jnp.zeros((), jnp.int32)
+        metrics.update(ce_ss=ce_ss, ss_ran=ss_ran, skipped=skipped)
+        new_state = {"params": params, "opt_state": opt_state, "carry": carry,
+                     "step": state["step"] + 1, "skipped": state["skipped"] + skipped}
+        return new_state, metrics
+
+    return step
+
+
+def jit_train_step(cfg: TrainConfig, state_shardings, batch_shardings):
+    """The step jitted with its shardings and the state donated (updated in place)."""
+    return jax.jit(make_train_step(cfg), in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, None), donate_argnums=(0,))
