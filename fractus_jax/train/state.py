@@ -5,6 +5,8 @@ gives the shardings, then one jitted init writes every array straight into its s
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -80,9 +82,14 @@ def _like_params(opt_state, params, param_shardings, default):
     return jax.tree_util.tree_map_with_path(pick, opt_state)
 
 
+@functools.lru_cache(maxsize=8)
+def _init_fn(cfg: TrainConfig):
+    return functools.partial(_init, cfg)  # one function per config: jit reuses its compilation
+
+
 def create_train_state(cfg: TrainConfig, mesh, key):
     shardings = train_state_shardings(cfg, mesh)
-    return jax.jit(lambda k: _init(cfg, k), out_shardings=shardings)(key), shardings
+    return jax.jit(_init_fn(cfg), out_shardings=shardings)(key), shardings
 
 
 def with_params(cfg: TrainConfig, state, params):

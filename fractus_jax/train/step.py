@@ -11,6 +11,8 @@ All randomness derives from (seed, step), so a resumed run draws the same number
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -54,7 +56,7 @@ def accumulate(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg: TrainCo
 
 
 def _apply(tx, params, opt_state, grads, lr):
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, jax.tree.map(lambda u: lr * u, updates))
     ok = jnp.isfinite(grad_norm)
@@ -80,6 +82,7 @@ def mix_inputs(cfg: TrainConfig, params, inputs_AxBxC, h_AxBxCxD, key):
     return jnp.where(replace, predicted, inputs_AxBxC)
 
 
+@functools.lru_cache(maxsize=8)
 def make_train_step(cfg: TrainConfig):
     """step(state, batch) → (state, metrics); batch = {"ids": (A, B, C+1)[, "feats": (A, B, C, F)]}."""
 
@@ -126,6 +129,10 @@ def make_train_step(cfg: TrainConfig):
 
 
 def jit_train_step(cfg: TrainConfig, state_shardings, batch_shardings):
-    """The step jitted with its shardings and the state donated (updated in place)."""
+    """The step jitted with its shardings and the state donated (updated in place).
+
+    make_train_step is memoised on the (hashable) config, so a second trainer in the
+    same process with the same config reuses the compiled step instead of recompiling.
+    """
     return jax.jit(make_train_step(cfg), in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, None), donate_argnums=(0,))

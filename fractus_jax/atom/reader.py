@@ -1,0 +1,173 @@
+"""Reading an Atom corpus: memory-mapped, validated in chunks, inspected.
+
+Accepted layouts (SPEC section 6): ``.u16`` and ``.i16`` (little-endian 16-bit
+ids, one layout), ``.npy`` (a 1-D integer array) and ``.bin`` (little-endian
+int32). A ``FILE.json`` index beside the file (written by the builder) is
+checked against it: a corpus whose size disagrees with its index is refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from fractus_jax.atom.ids import BOS, BOUNDARIES, EOS, NAMES, PAD, VOCAB
+
+FORMAT = "fractus-atom-corpus"
+FORMAT_VERSION = 1
+RAW_DTYPES = {".u16": "<u2", ".i16": "<i2", ".bin": "<i4"}
+SUFFIXES = tuple(RAW_DTYPES) + (".npy",)
+DEFAULT_CHUNK = 1 << 24  # ids per validation chunk (32 MiB of uint16)
+
+
+class CorpusError(ValueError):
+    """A corpus (or a source for one) that cannot be used; the message names the file."""
+
+
+def index_path(path) -> Path:
+    """The builder's index for ``path``: ``FILE.json`` beside it."""
+    return Path(str(path) + ".json")
+
+
+def read_index(path) -> Optional[dict]:
+    """The index beside ``path``, or None if there is none."""
+    ip = index_path(path)
+    if not ip.exists():
+        return None
+    try:
+        index = json.loads(ip.read_text("utf-8"))
+    except (OSError, ValueError) as e:
+        raise CorpusError(f"{ip}: unreadable corpus index ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CorpusError(f"{ip}: not a {FORMAT} index")
+    if index.get("version") != FORMAT_VERSION:
+        raise CorpusError(f"{ip}: index format version {index.get('version')!r}, "
+                          f"this reader knows version {FORMAT_VERSION}")
+    return index
+
+
+def _map(path: Path) -> np.ndarray:
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise CorpusError(f"{path}: unknown corpus extension {path.suffix!r} "
+                          f"(expected one of {', '.join(SUFFIXES)})")
+    if not path.exists():
+        raise CorpusError(f"{path}: no such corpus file")
+    if not path.is_file():
+        raise CorpusError(f"{path}: not a file")
+    if suffix == ".npy":
+        try:
+            ids = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise CorpusError(f"{path}: unreadable .npy file ({e})") from None
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise CorpusError(f"{path}: expected a 1-D integer array, "
+                              f"got shape {ids.shape} dtype {ids.dtype}")
+        return ids
+    dtype = np.dtype(RAW_DTYPES[suffix])
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise CorpusError(f"{path}: {size} bytes is not a whole number of "
+                          f"{dtype.itemsize}-byte ids (a truncated or odd-length file)")
+    if size == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+class Corpus:
+    """A memory-mapped id file. ``ids`` is a read-only 1-D integer array view
+    (slicing reads only the slice); nothing is read whole."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        mm = _map(self.path)
+        self.ids = mm.view(np.ndarray) if isinstance(mm, np.memmap) else mm
+        self.ids.flags.writeable = False
+        self.n_ids = int(self.ids.shape[0])
+        self.index = read_index(self.path)
+        if self.index is not None and self.index.get("n_ids") != self.n_ids:
+            raise CorpusError(
+                f"{self.path}: holds {self.n_ids} ids but its index "
+                f"{index_path(self.path).name} says {self.index.get('n_ids')} "
+                "(an interrupted build? re-run the same build command to repair it)")
+
+    def __len__(self) -> int:
+        return self.n_ids
+
+    def __repr__(self) -> str:
+        return f"Corpus({str(self.path)!r}, n_ids={self.n_ids})"
+
+    def identity(self) -> dict:
+        """What a checkpoint manifest records about the corpus it trained on."""
+        st = self.path.stat()
+        return {"path": str(self.path.resolve()), "n_ids": self.n_ids,
+                "size": int(st.st_size), "mtime": float(st.st_mtime)}
+
+    def read(self, offset: int, count: int) -> np.ndarray:
+        """``count`` ids from ``offset`` (fewer at the end), as a small int32 array."""
+        if offset < 0 or offset > self.n_ids:
+            raise CorpusError(f"{self.path}: offset {offset} outside 0..{self.n_ids}")
+        return np.asarray(self.ids[offset:offset + max(0, count)], np.int32)
+
+    def chunks(self, chunk: int = DEFAULT_CHUNK):
+        """(offset, int64 array) pieces covering the corpus in order."""
+        if chunk <= 0:
+            raise ValueError("chunk must be positive")
+        for off in range(0, self.n_ids, chunk):
+            yield off, np.asarray(self.ids[off:off + chunk], np.int64)
+
+    def validate(self, chunk: int = DEFAULT_CHUNK, allow_pad: bool = False) -> None:
+        """Check every id is in 0-265 (and, unless ``allow_pad``, none is PAD, which
+        never appears in a stream), streaming ``chunk`` ids at a time. Raises
+        CorpusError naming the file, the first offending offset and its value."""
+        if chunk <= 0:
+            raise ValueError("chunk must be positive")
+        for off in range(0, self.n_ids, chunk):
+            c = np.asarray(self.ids[off:off + chunk])  # native dtype: no widening copy
+            bad = (c >= VOCAB) if c.dtype.kind == "u" else (c < 0) | (c >= VOCAB)
+            if not allow_pad:
+                bad |= c == PAD
+            if bad.any():
+                i = int(np.argmax(bad))
+                v = int(c[i])
+                what = ("PAD (256), which never appears in a stream" if v == PAD
+                        else f"outside the Atom alphabet 0-{VOCAB - 1}")
+                raise CorpusError(f"{self.path}: id {v} at offset {off + i} is {what}")
+
+    def histogram(self, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+        """Count of every id 0-265 (validating on the way)."""
+        counts = np.zeros(VOCAB, np.int64)
+        self.validate(chunk, allow_pad=True)
+        for _, c in self.chunks(chunk):
+            counts += np.bincount(c, minlength=VOCAB)
+        return counts
+
+    def stats(self, chunk: int = DEFAULT_CHUNK) -> dict:
+        """Boundary histogram, documents, bytes per id."""
+        h = self.histogram(chunk)
+        n_bytes = int(h[:PAD].sum())
+        packets = int(h[list(BOUNDARIES)].sum())
+        return {
+            "path": str(self.path), "n_ids": self.n_ids, "n_docs": int(h[BOS]),
+            "n_eos": int(h[EOS]), "n_pad": int(h[PAD]), "n_text_bytes": n_bytes,
+            "bytes_per_id": n_bytes / self.n_ids if self.n_ids else 0.0,
+            "packets": packets,
+            "bytes_per_packet": n_bytes / packets if packets else 0.0,
+            "boundaries": {NAMES[b]: int(h[b]) for b in BOUNDARIES},
+        }
+
+
+def open_corpus(path) -> Corpus:
+    """Open a corpus file for reading (memory-mapped). Raises CorpusError."""
+    try:
+        return Corpus(path)
+    except OSError as e:
+        raise CorpusError(f"{path}: {e.strerror or e}") from None
+
+
+def file_identity(path) -> dict:
+    st = os.stat(path)
+    return {"size": int(st.st_size), "mtime": float(st.st_mtime)}

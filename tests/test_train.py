@@ -1,0 +1,229 @@
+"""The trainer on the tiny config: resume, refusals, preemption, accumulation, skipping."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fractus_jax import sharding
+from fractus_jax.atom import encode
+from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import loop
+from fractus_jax.train import state as state_lib
+from fractus_jax.train import step as step_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory) -> Path:
+    """~60k ids of real text and code, built with the Atom encoder."""
+    path = tmp_path_factory.mktemp("corpus") / "small.u16"
+    texts = [p.read_text() for p in sorted((ROOT / "fractus_jax").rglob("*.py"))]
+    ids = np.concatenate([encode(t) for t in texts]).astype("<u2")
+    ids.tofile(path)
+    return path
+
+
+def tiny(corpus_file, *overrides):
+    cfg = cfg_lib.load_config("tiny")
+    return cfg_lib.apply_overrides(cfg, [f"corpus={corpus_file}", *overrides])
+
+
+def train(cfg, workdir):
+    plan = loop.prepare(cfg, workdir, progress=False)
+    return loop.run(plan, progress=False, log=lambda m: None)
+
+
+def restore(workdir, cfg, step=None):
+    abstract = state_lib.abstract_train_state(cfg)
+    ck = ckpt_lib.RunCheckpointer(workdir, read_only=True)
+    try:
+        return ck.restore(abstract, step)
+    finally:
+        ck.close()
+
+
+def test_resume_is_bit_exact_with_scheduled_sampling(corpus_file, tmp_path):
+    cfg = tiny(corpus_file, "ss_rate=0.5", "max_steps=6", "save_every=3")
+    train(cfg, tmp_path / "straight")
+    train(cfg.__class__(**{**cfg.__dict__, "max_steps": 3}), tmp_path / "split")
+    manifest = ckpt_lib.read_manifest(tmp_path / "split")
+    assert manifest["step"] == 3 and manifest["start_token_next"] == 3 * cfg.seq_len
+    train(cfg, tmp_path / "split")   # the same command resumes to max_steps
+
+    straight, meta_a = restore(tmp_path / "straight", cfg)
+    split, meta_b = restore(tmp_path / "split", cfg)
+    at_3, _ = restore(tmp_path / "split", cfg, step=3)
+    assert meta_a["step"] == meta_b["step"] == 6
+    assert meta_a["start_token_next"] == meta_b["start_token_next"] == 6 * cfg.seq_len
+    # The comparison can fail: three more steps did change every part of the state.
+    for part in ("params", "opt_state", "carry"):
+        diff = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), straight[part], at_3[part])
+        assert any(jax.tree.leaves(diff)), part
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                     straight[part], split[part])
+    lines = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
+    assert any(m["ss_ran"] for m in lines), "scheduled sampling never ran: the test would prove nothing"
+    ss_line = next(m for m in lines if m["ss_ran"])
+    for key in ("ce_tf", "ema_tf", "lb", "grad_norm", "lr", "skipped", "ids_per_s_tf", "ids_per_s_wall",
+                "ce_ss", "ema_ss"):
+        assert key in ss_line
+
+
+def test_accumulation_equals_one_gradient_of_the_summed_chunks(corpus_file):
+    cfg = tiny(corpus_file, "accum=2", "model.capacity_factor=none")
+    mesh = sharding.make_mesh()
+    state, _ = state_lib.create_train_state(cfg, mesh, jax.random.PRNGKey(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 266, (2, cfg.batch_size, cfg.seq_len + 1)), jnp.int32)
+    inputs, targets = ids[..., :-1], ids[..., 1:]
+    _, grads, _, _ = jax.jit(lambda p, c: step_lib.accumulate(p, c, inputs, targets, None, cfg))(
+        state["params"], state["carry"])
+
+    def two_chunks(params):
+        loss0, aux0 = step_lib._loss(params, state["carry"], inputs[0], targets[0], None, cfg, 1.0)
+        loss1, _ = step_lib._loss(params, aux0[4], inputs[1], targets[1], None, cfg, 1.0)
+        return (loss0 + loss1) / 2
+
+    def first_only(params):
+        return step_lib._loss(params, state["carry"], inputs[0], targets[0], None, cfg, 1.0)[0]
+
+    want = jax.jit(jax.grad(two_chunks))(state["params"])
+    other = jax.jit(jax.grad(first_only))(state["params"])
+    assert float(jnp.abs(other["observe"] - want["observe"]).max()) > 1e-6
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), grads, want)
+
+
+def test_non_finite_gradient_skips_the_update(corpus_file):
+    cfg = tiny(corpus_file)
+    mesh = sharding.make_mesh()
+    state, shardings = state_lib.create_train_state(cfg, mesh, jax.random.PRNGKey(0))
+    step = step_lib.make_train_step(cfg)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 256, (1, cfg.batch_size, cfg.seq_len + 1)), jnp.int32)
+    bad = dict(state, params={**state["params"], "observe": state["params"]["observe"].at[3, 0].set(jnp.nan)})
+    bad_ids = ids.at[0, 0, 0].set(3)
+    new, metrics = jax.jit(step)(bad, {"ids": bad_ids})
+    assert int(metrics["skipped"]) == 1 and int(new["skipped"]) == 1 and int(new["step"]) == 1
+    np.testing.assert_array_equal(np.asarray(new["params"]["blocks"]["attn"]["w_qkv"]),
+                                  np.asarray(bad["params"]["blocks"]["attn"]["w_qkv"]))
+    good, metrics = jax.jit(step)(state, {"ids": ids})
+    assert int(metrics["skipped"]) == 0
+    assert float(jnp.abs(good["params"]["blocks"]["attn"]["w_qkv"] - state["params"]["blocks"]["attn"]["w_qkv"]).max()) > 0
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "fractus_jax.train", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _snapshot(path: Path):
+    if not path.exists():
+        return None
+    return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def trained_dir(corpus_file, tmp_path_factory):
+    d = tmp_path_factory.mktemp("run") / "run"
+    train(tiny(corpus_file, "max_steps=2", "save_every=2"), d)
+    return d
+
+
+@pytest.mark.parametrize("case", ["bad_id", "missing_corpus", "start_token_0", "batch_change", "vocab_change"])
+def test_refusals_exit_nonzero_without_traceback_and_touch_nothing(case, corpus_file, trained_dir, tmp_path):
+    workdir = tmp_path / "fresh"
+    overrides = [f"corpus={corpus_file}", "max_steps=4"]
+    if case == "bad_id":
+        ids = np.fromfile(corpus_file, "<u2")[:5000].copy()
+        ids[1234] = 300
+        bad = tmp_path / "bad.u16"
+        ids.tofile(bad)
+        overrides[0] = f"corpus={bad}"
+        expect = ["1234", "300", str(bad)]
+    elif case == "missing_corpus":
+        overrides[0] = f"corpus={tmp_path / 'nope.u16'}"
+        expect = ["nope.u16"]
+    else:
+        workdir = trained_dir
+        extra = {"start_token_0": ("start_token=0", ["start_token=0"]),
+                 "batch_change": ("batch_size=2", ["batch_size", "4", "2"]),
+                 "vocab_change": ("model.vocab_size=300", ["vocab", "266", "300"])}[case]
+        overrides.append(extra[0])
+        expect = extra[1]
+    before = _snapshot(workdir)
+    out = _cli("--config", "tiny", "--workdir", str(workdir), *[f"--set={o}" for o in overrides])
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: ") or "\nerror: " in out.stderr
+    for word in expect:
+        assert word in out.stderr, (word, out.stderr)
+    assert _snapshot(workdir) == before
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_zero(corpus_file, tmp_path):
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fractus_jax.train", "--no-progress", "--config", "tiny",
+                             "--workdir", str(workdir), f"--set=corpus={corpus_file}", "--set=max_steps=100000",
+                             "--set=save_every=100000", "--set=log_every=1"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    manifest = ckpt_lib.read_manifest(workdir)
+    assert 3 <= manifest["step"] < 100000 and "SIGTERM" in err
+    assert manifest["start_token_next"] == manifest["step"] * 16
+    assert (workdir / "checkpoints" / str(manifest["step"])).is_dir()
+
+
+def test_deadline_saves_and_stops_before_it(corpus_file, tmp_path):
+    cfg = tiny(corpus_file, "max_steps=1000", "save_every=1000", f"deadline={time.time() + 5}")
+    last = train(cfg, tmp_path / "run")
+    manifest = ckpt_lib.read_manifest(tmp_path / "run")
+    assert manifest["step"] == last["step"] < 1000
+
+
+def test_embedded_default_corpus_is_built_once_and_trains(tmp_path, monkeypatch):
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), ["max_steps=1", "save_every=1"])
+    assert cfg.corpus == ""
+    plan = loop.prepare(cfg, tmp_path / "run", progress=False)
+    built = list((tmp_path / "cache").glob("*.u16"))
+    assert len(built) == 1 and plan.corpus.n_ids > 1_000_000
+    mtime = built[0].stat().st_mtime_ns
+    loop.run(plan, progress=False, log=lambda m: None)
+    loop.prepare(cfg.__class__(**{**cfg.__dict__, "max_steps": 2}), tmp_path / "run", progress=False)
+    assert built[0].stat().st_mtime_ns == mtime   # reused, not rebuilt
+    text = bytes(np.asarray(plan.corpus.ids[:20000])[np.asarray(plan.corpus.ids[:20000]) < 256].astype(np.uint8))
+    assert b"def " in text or b"import " in text   # real code
+
+
+def test_config_overrides_and_aliases():
+    cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"),
+                                  ["BATCH=8", "LR=0.01", "OPT=sgd", "BLOCK_CKPT=1", "model.variant=parent",
+                                   "dtype=bfloat16", "start_token=none"])
+    assert (cfg.batch_size, cfg.lr, cfg.optimizer, cfg.model.remat, cfg.model.variant, cfg.model.compute_dtype,
+            cfg.start_token) == (8, 0.01, "sgd", True, "parent", "bfloat16", None)
+    for bad, msg in (("nope=1", "no field 'nope'"), ("batch_size=x", "expected int"),
+                     ("optimizer=lion", "adamw or sgd"), ("lr", "key=value")):
+        with pytest.raises(cfg_lib.ConfigError, match=msg):
+            cfg_lib.apply_overrides(cfg, [bad])
+    with pytest.raises(cfg_lib.ConfigError, match="no config named"):
+        cfg_lib.load_config("no_such_config")
+    for name in ("tiny", "smoke", "atom_1b", "parent_1b", "bench_small"):
+        assert isinstance(cfg_lib.load_config(name), cfg_lib.TrainConfig)
