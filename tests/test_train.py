@@ -227,3 +227,22 @@ def test_config_overrides_and_aliases():
         cfg_lib.load_config("no_such_config")
     for name in ("tiny", "smoke", "atom_1b", "parent_1b", "bench_small"):
         assert isinstance(cfg_lib.load_config(name), cfg_lib.TrainConfig)
+
+
+def test_lanes_targets_and_feature_context(corpus_file):
+    from fractus_jax.atom.corpus import open_corpus
+    from fractus_jax.train.data import LaneReader, chunk_features
+
+    ids = open_corpus(corpus_file).ids
+    reader = LaneReader(ids, batch_size=3, seq_len=8, accum=2)
+    lane = reader.lane_len
+    chunks, nxt, context = reader.read(40, left=16)
+    assert chunks.shape == (2, 3, 9) and nxt == 56
+    for b in range(3):
+        np.testing.assert_array_equal(chunks[0, b], ids[b * lane + 40:b * lane + 49])
+        np.testing.assert_array_equal(chunks[1, b], ids[b * lane + 48:b * lane + 57])   # consecutive
+        np.testing.assert_array_equal(context[1, b], ids[b * lane + 32:b * lane + 48])
+    assert reader.read(lane - 10)[1] == 16          # no room left: every lane restarts at 0
+    feats = chunk_features(chunks, context)
+    boundary = (chunks[..., :-1] >= 259) & (chunks[..., :-1] <= 265)
+    assert boundary.any() and np.abs(feats[boundary]).sum() > 0 and np.abs(feats[~boundary]).sum() == 0

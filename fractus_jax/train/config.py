@@ -52,7 +52,7 @@ class TrainConfig:
     ss_temperature: float = 0.9
     corpus: str = ""                  # empty: the embedded default corpus (standard library text)
     start_token: Optional[int] = None  # offset inside each lane; None: 0 fresh, the checkpoint's on resume
-    feats: bool = False               # atom packet features into the engine
+    feats: bool = False               # atom packet features (fractus_jax.atom.features) into the engine
     seed: int = 0
     log_every: int = 10
     save_every: int = 1000

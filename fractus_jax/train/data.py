@@ -37,13 +37,31 @@ class LaneReader:
             raise DataError(f"lane offset must be >= 0, got {pos}")
         return 0 if pos + self.span + 1 > self.lane_len else pos
 
-    def read(self, pos: int) -> tuple[np.ndarray, int]:
-        """(ids (accum, rows, C + 1) int32, the next step's offset)."""
+    def read(self, pos: int, left: int = 0) -> tuple[np.ndarray, int, Optional[np.ndarray]]:
+        """(ids (accum, rows, C + 1) int32, the next step's offset, context).
+
+        With left > 0 and room in the lane, context (accum, rows, left) holds the ids just
+        before each chunk (for packet features that see the text before the chunk)."""
         pos = self.position(pos)
-        out = np.empty((len(self.rows), self.span + 1), np.int32)
+        before = left if pos >= left else 0
+        out = np.empty((len(self.rows), before + self.span + 1), np.int32)
         for i, b in enumerate(self.rows):
-            start = b * self.lane_len + pos
-            out[i] = self.ids[start:start + self.span + 1]
+            start = b * self.lane_len + pos - before
+            out[i] = self.ids[start:start + before + self.span + 1]
         C = self.seq_len
-        chunks = np.stack([out[:, a * C:a * C + C + 1] for a in range(self.accum)])
-        return chunks, pos + self.span
+        chunks = np.stack([out[:, before + a * C:before + a * C + C + 1] for a in range(self.accum)])
+        context = None
+        if left and (before or self.accum > 1):
+            starts = [before + a * C - left for a in range(self.accum)]
+            if min(starts) >= 0:
+                context = np.stack([out[:, s:s + left] for s in starts])
+        return chunks, pos + self.span, context
+
+
+def chunk_features(chunks: np.ndarray, context: Optional[np.ndarray]) -> np.ndarray:
+    """Atom packet features (accum, rows, C, 320) of each chunk's inputs."""
+    from fractus_jax.atom.features import atom_features
+
+    inputs = chunks[..., :-1]
+    return np.stack([atom_features(inputs[a], left=None if context is None else context[a])
+                     for a in range(inputs.shape[0])])

@@ -25,11 +25,12 @@ from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import probes as probes_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import TrainConfig
-from fractus_jax.train.data import DataError, LaneReader
+from fractus_jax.train.data import DataError, LaneReader, chunk_features
 from fractus_jax.train.step import jit_train_step
 
 METRICS = "metrics.jsonl"
 EMA_DECAY = 0.99
+FEATURE_CONTEXT = 64  # ids before a chunk that its packet features may look at
 
 
 class TrainError(ValueError):
@@ -207,6 +208,9 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
             log(f"weights from {cfg.init_from}; fresh optimizer moments (warmup advised)")
     reader = LaneReader(plan.corpus.ids, cfg.batch_size, cfg.seq_len, cfg.accum)
     batch_shard = {"ids": sharding.batch_sharding(mesh, 3, batch_dim=1)}
+    use_feats = cfg.feats and cfg.model.is_atom
+    if use_feats:
+        batch_shard["feats"] = sharding.batch_sharding(mesh, 4, batch_dim=1)
     step_fn = jit_train_step(cfg, shardings, batch_shard)
     prober = probes_lib.Prober(cfg, plan.corpus) if cfg.probe_every else None
 
@@ -264,8 +268,10 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
         if prober is not None and step == 0:
             write_metrics({"step": 0, **prober.run(state["params"], initial=True)})
         while step < cfg.max_steps:
-            ids, pos_next = reader.read(pos)
+            ids, pos_next, context = reader.read(pos, left=FEATURE_CONTEXT if use_feats else 0)
             batch = {"ids": jax.device_put(ids, batch_shard["ids"])}
+            if use_feats:
+                batch["feats"] = jax.device_put(chunk_features(ids, context), batch_shard["feats"])
             state, device_metrics = step_fn(state, batch)
             step, pos = step + 1, pos_next
             if pending is not None:   # step n is dispatched: now read step n−1
