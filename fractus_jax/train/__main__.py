@@ -12,7 +12,29 @@ def parse_args(argv=None):
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field (dotted: model.variant=parent) or a PyTorch trainer name (BATCH=16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    dist = p.add_argument_group("several hosts (jax.distributed)")
+    dist.add_argument("--distributed", action="store_true",
+                      help="call jax.distributed.initialize; without the flags below it reads the "
+                           "cluster's environment (SLURM, Open MPI, ...) or JAX_COORDINATOR_ADDRESS etc.")
+    dist.add_argument("--coordinator", help="host:port of process 0")
+    dist.add_argument("--num-processes", type=int)
+    dist.add_argument("--process-id", type=int)
+    dist.add_argument("--local-devices", type=int,
+                      help="CPU only: devices per process (tests and rehearsals on one machine)")
     return p.parse_args(argv)
+
+
+def init_distributed(args) -> None:
+    """Before any JAX computation: join the other processes of a multi-host run."""
+    import jax
+
+    if args.local_devices:
+        jax.config.update("jax_num_cpu_devices", args.local_devices)
+    if args.distributed or args.coordinator:
+        kwargs = {k: v for k, v in (("coordinator_address", args.coordinator),
+                                    ("num_processes", args.num_processes),
+                                    ("process_id", args.process_id)) if v is not None}
+        jax.distributed.initialize(**kwargs)
 
 
 def main(argv=None) -> int:
@@ -21,6 +43,7 @@ def main(argv=None) -> int:
     from fractus_jax.train import checkpoint, config, data, loop
 
     user_errors = (config.ConfigError, loop.TrainError, CorpusError, checkpoint.CheckpointError, data.DataError)
+    init_distributed(args)
     try:
         cfg = config.apply_overrides(config.load_config(args.config), args.overrides)
         plan = loop.prepare(cfg, args.workdir, progress=not args.no_progress)

@@ -25,7 +25,7 @@ from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import probes as probes_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import TrainConfig
-from fractus_jax.train.data import DataError, LaneReader, chunk_features
+from fractus_jax.train.data import DataError, LaneReader, global_batch
 from fractus_jax.train.step import jit_train_step
 
 METRICS = "metrics.jsonl"
@@ -100,9 +100,29 @@ def _validate_range(corpus, vocab: int, chunk: int = 1 << 22):
             raise TrainError(f"{corpus.path}: id {int(part[bad[0]])} at offset {off} is outside 0-{vocab - 1}")
 
 
+def resolve_for_mesh(cfg: TrainConfig) -> TrainConfig:
+    """moe_group_rows=0 means one MoE dispatch group per device: capacity is counted over
+    each device's own tokens, so dispatch never crosses devices."""
+    n = cfg.mesh.data * cfg.mesh.fsdp
+    if cfg.model.moe_group_rows == 0 and n > 1:
+        return dataclasses.replace(cfg, model=cfg.model.replace(moe_group_rows=cfg.batch_size // n))
+    return cfg
+
+
 def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
     """Every check a user can fail, before anything is written to workdir."""
     workdir = Path(workdir)
+    n = cfg.mesh.data * cfg.mesh.fsdp
+    if n > jax.device_count():
+        raise TrainError(f"mesh data={cfg.mesh.data} x fsdp={cfg.mesh.fsdp} needs {n} devices, "
+                         f"{jax.device_count()} available")
+    if cfg.batch_size % n:
+        raise TrainError(f"batch_size {cfg.batch_size} is not divisible by the mesh's {n} devices "
+                         f"(data={cfg.mesh.data} x fsdp={cfg.mesh.fsdp})")
+    cfg = resolve_for_mesh(cfg)
+    rows = cfg.model.moe_group_rows
+    if rows and (cfg.batch_size // n) % rows:
+        raise TrainError(f"model.moe_group_rows={rows} does not divide the {cfg.batch_size // n} rows per device")
     if workdir.exists() and not workdir.is_dir():
         raise TrainError(f"workdir {workdir} exists and is not a directory")
     manifest = ckpt_lib.read_manifest(workdir) if workdir.exists() else None
@@ -198,7 +218,8 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
     if plan.resume_step is not None:
         state, meta = ckpt.restore(ckpt_lib.abstract_with_shardings(abstract, shardings), plan.resume_step)
         ema.update({k: meta.get(k) for k in ema})
-        _truncate_metrics(workdir / METRICS, plan.resume_step)
+        if jax.process_index() == 0:
+            _truncate_metrics(workdir / METRICS, plan.resume_step)
         log(f"resumed {workdir} at step {plan.resume_step}, lane offset {plan.start_pos}")
     else:
         state, _ = state_lib.create_train_state(cfg, mesh, jax.random.PRNGKey(cfg.seed))
@@ -217,8 +238,9 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
     step = int(plan.resume_step or 0)
     pos = plan.start_pos
     ids_per_step = cfg.batch_size * cfg.seq_len * cfg.accum
-    metrics_file = open(workdir / METRICS, "a")
-    bar = _progress_bar(cfg.max_steps, step, progress)
+    lead = jax.process_index() == 0   # one process writes the log and shows progress
+    metrics_file = open(workdir / METRICS, "a") if lead else None
+    bar = _progress_bar(cfg.max_steps, step, progress and lead)
     last_save = time.time()
     save_seconds = 10.0
     step_seconds = None
@@ -258,6 +280,8 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
         return m
 
     def write_metrics(m):
+        if metrics_file is None:
+            return
         metrics_file.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                        for k, v in m.items()}) + "\n")
         metrics_file.flush()
@@ -268,10 +292,8 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
         if prober is not None and step == 0:
             write_metrics({"step": 0, **prober.run(state["params"], initial=True)})
         while step < cfg.max_steps:
-            ids, pos_next, context = reader.read(pos, left=FEATURE_CONTEXT if use_feats else 0)
-            batch = {"ids": jax.device_put(ids, batch_shard["ids"])}
-            if use_feats:
-                batch["feats"] = jax.device_put(chunk_features(ids, context), batch_shard["feats"])
+            batch = global_batch(reader, pos, batch_shard, FEATURE_CONTEXT)
+            pos_next = reader.position(pos) + reader.span
             state, device_metrics = step_fn(state, batch)
             step, pos = step + 1, pos_next
             if pending is not None:   # step n is dispatched: now read step n−1
@@ -301,7 +323,8 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
                 break
     if bar is not None:
         bar.close()
-    metrics_file.close()
+    if metrics_file is not None:
+        metrics_file.close()
     ckpt.close()
     if stop_reason:
         log(f"stopped at step {step} ({stop_reason}); saved, lane offset {pos}")

@@ -69,6 +69,8 @@ def _ar_eval(params, rows, cfg):
 class Prober:
     def __init__(self, cfg: TrainConfig, corpus):
         self.cfg = cfg.model
+        # Decoding feeds chunks of a few tokens: capacity would drop their assignments.
+        self.decode_cfg = cfg.model.replace(capacity_factor=None)
         self.rows = jnp.asarray(_probe_rows(corpus, PROBE_ROWS, max(PROBE_LEN, WARM + FREE)))
         self._tf = jax.jit(_teacher_forced, static_argnums=2)
         self._ar = jax.jit(_ar_eval, static_argnums=2)
@@ -79,7 +81,7 @@ class Prober:
 
     def run(self, params, initial: bool = False) -> dict:
         tf = jax.device_get(self._tf(params, self.rows, self.cfg))
-        ar = jax.device_get(self._ar(params, self.rows, self.cfg))
+        ar = jax.device_get(self._ar(params, self.rows, self.decode_cfg))
         prefix = "init" if initial else "probe"
         out = {f"{prefix}_ce": float(tf["ce"]), f"{prefix}_echo": float(tf["echo"]),
                "ar_ce": float(ar["ce"]), "ar_match": float(ar["match"]),
@@ -88,7 +90,7 @@ class Prober:
                "alive_experts": [int(x) for x in tf["alive_experts"]],
                "expert_hits": np.asarray(tf["expert_hits"], np.int64).tolist()}
         if self.prompt is not None:
-            ids, _, n_valid = jax.device_get(decode_ids(params, self.cfg, self.prompt, SPEECH_STEPS))
+            ids, _, n_valid = jax.device_get(decode_ids(params, self.decode_cfg, self.prompt, SPEECH_STEPS))
             gen = ids[0, : int(n_valid[0])]
             from fractus_jax.atom import decode
             out.update(speech_unique_ids=int(np.unique(gen).size),

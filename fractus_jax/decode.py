@@ -1,0 +1,150 @@
+"""The pure, jit-compiled decode core (SPEC §4 "Decoding"): two modes, one chunk forward.
+
+`decode_ids` runs the whole decode loop inside one `lax.while_loop` (no host round trip
+per id) on a batch of equal-length prompts and is usable from inside a jitted trainer
+probe. Both modes call `model.forward_hidden`, the same chunk forward training uses:
+
+* ``step``: prefill the prompt as one chunk from a zero state; the first id comes from
+  the prefill's last position; then each id is fed back as a chunk of C = 1, carrying
+  the state.
+* ``window``: each step re-runs the last W ids (fewer while fewer exist) as one chunk
+  from a ZERO state (a sliding stateless window: re-running overlapping windows on a
+  carried state would absorb the same ids twice).
+
+Static shapes: the window is always W wide. While fewer than W ids exist it is padded on
+the LEFT with ``pad_id``. That padding is invisible when every prompt starts with the
+engine's BOS (every ``atom.encode_open`` prompt does): a BOS zeroes the state entering
+it, the thought is zero anyway (zero state), and every other part of the block is per
+position (parent routing reads the LAST position, which is real). The same argument lets
+`generate` left-pad prompts of different lengths into one batch. It holds with exact
+MoE routing (``capacity_factor=None``); with a capacity, pad positions and other rows
+compete for expert slots, exactly as they would in a training chunk.
+
+Stop: a row is done after it emits ``eos_id`` (the EOS is kept as its last id); later
+positions hold ``pad_id`` with confidence 0, and the loop ends early once all rows are
+done. Temperature ``None`` or 0 is greedy (argmax, no ban on repeats); otherwise ids
+are sampled from softmax(logits / T), restricted to the ``top_k`` best where top_k > 0.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from fractus_jax import model
+from fractus_jax.atom.ids import EOS as EOS_ID
+from fractus_jax.atom.ids import PAD as PAD_ID
+from fractus_jax.config import EngineConfig
+
+MODES = ("step", "window")
+
+
+def check_decode_args(cfg: EngineConfig, max_new: int, mode: str, window: int,
+                      temperature: Optional[float], top_k: int) -> None:
+    """The argument checks of `decode_ids` (host side, before tracing); ValueError on misuse."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if int(max_new) < 1:
+        raise ValueError(f"max_new must be >= 1, got {max_new}")
+    if mode == "window" and int(window) < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if temperature is not None and not float(temperature) >= 0.0:
+        raise ValueError(f"temperature must be >= 0 (0 or None: greedy), got {temperature}")
+    if int(top_k) < 0 or int(top_k) > cfg.vocab_size:
+        raise ValueError(f"top_k must be in 0..{cfg.vocab_size} (0: no cut), got {top_k}")
+
+
+def _acc_dtype(params):
+    return jnp.float64 if params["observe"].dtype == jnp.float64 else jnp.float32
+
+
+def select_ids(logits_BxV, key, temperature: Optional[float], top_k: int):
+    """Greedy argmax (temperature None/0) or a sample from softmax(logits/T), top-k cut."""
+    if temperature is None or float(temperature) == 0.0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    logits = logits_BxV.astype(jnp.float32) / float(temperature)
+    if top_k:
+        kth = jax.lax.top_k(logits, int(top_k))[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _last(params, cfg, state, ids_BxC):
+    """One chunk forward; (logits at the last position (B, V), confidence there (B,), new state)."""
+    h, _, new_state = model.forward_hidden(params, state, ids_BxC, cfg)
+    h_last = h[:, -1]
+    logits = model.logits_from_hidden(params, h_last[:, None])[:, 0]
+    return logits, model.confidence(params, h_last), new_state
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_new", "mode", "window", "temperature", "top_k",
+                                   "eos_id", "pad_id"))
+def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: str = "step",
+               window: int = 64, temperature: Optional[float] = None, top_k: int = 0, key=None,
+               eos_id: int = EOS_ID, pad_id: int = PAD_ID):
+    """Decode up to ``max_new`` ids after each prompt row; returns (ids_BxN, confidence_BxN, n_valid_B).
+
+    ids are int32 with ``pad_id`` after a row's EOS; confidence is float32,
+    sigmoid(confidence_head(h_last)) of the call that produced each id (0 after EOS);
+    n_valid counts each row's generated ids, its EOS included. ``window`` is used only by
+    mode "window". All of cfg, max_new, mode, window, temperature, top_k are static.
+    """
+    check_decode_args(cfg, max_new, mode, window, temperature, top_k)
+    prompt = jnp.asarray(prompt_ids_BxP, jnp.int32)
+    B, P = prompt.shape
+    if P < 1:
+        raise ValueError("decode_ids needs prompts of at least one id")
+    N = int(max_new)
+    if key is None:
+        key = jax.random.PRNGKey(0)
+    zero = model.init_state(cfg, B, _acc_dtype(params))
+
+    def emit(i, logits, conf, carry_out):
+        """Pick id i from logits, write it and its confidence; update done / n_valid."""
+        ids, confs, done, n_valid = carry_out
+        new = select_ids(logits, jax.random.fold_in(key, i), temperature, top_k)
+        new = jnp.where(done, pad_id, new)
+        conf = jnp.where(done, 0.0, conf.astype(jnp.float32))
+        at = (jnp.int32(0), jnp.asarray(i, jnp.int32))
+        ids = jax.lax.dynamic_update_slice(ids, new[:, None], at)
+        confs = jax.lax.dynamic_update_slice(confs, conf[:, None], at)
+        n_valid = n_valid + (~done).astype(jnp.int32)
+        done = done | (new == eos_id)
+        return new, (ids, confs, done, n_valid)
+
+    out0 = (jnp.full((B, N), pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32),
+            jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32))
+
+    def cond(c):
+        return (c[0] < N) & ~jnp.all(c[-1][2])
+
+    if mode == "step":
+        logits, conf, state = _last(params, cfg, zero, prompt)
+        last, out = emit(0, logits, conf, out0)
+
+        def body(c):
+            i, state, last, out = c
+            logits, conf, state = _last(params, cfg, state, last[:, None])
+            last, out = emit(i, logits, conf, out)
+            return i + 1, state, last, out
+
+        _, _, _, out = jax.lax.while_loop(cond, body, (jnp.int32(1), state, last, out))
+    else:
+        W = int(window)
+        # W pad columns in front: the window of the first n ids is seq[:, n : n + W].
+        seq = jnp.concatenate([jnp.full((B, W), pad_id, jnp.int32), prompt,
+                               jnp.full((B, N), pad_id, jnp.int32)], axis=1)
+
+        def body(c):
+            i, seq, out = c
+            ids_win = jax.lax.dynamic_slice(seq, (jnp.int32(0), P + i), (B, W))
+            logits, conf, _ = _last(params, cfg, zero, ids_win)
+            new, out = emit(i, logits, conf, out)
+            seq = jax.lax.dynamic_update_slice(seq, new[:, None], (jnp.int32(0), W + P + i))
+            return i + 1, seq, out
+
+        _, _, out = jax.lax.while_loop(cond, body, (jnp.int32(0), seq, out0))
+    ids, confs, _, n_valid = out
+    return ids, confs, n_valid

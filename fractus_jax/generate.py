@@ -1,0 +1,205 @@
+"""Text generation with the Fractus engine: a Python API and ``python -m fractus_jax.generate``.
+
+    python -m fractus_jax.generate --ckpt RUN_DIR --prompt "Bonjour, le" [--prompt ...]
+        [--step N] [--max-new 40] [--mode step|window] [--window 64]
+        [--temperature 0] [--top-k 0] [--seed 0] [--json]
+
+Each prompt is encoded with ``atom.encode_open`` (SPEC §5: BOS, its committed packets,
+the unfinished tail's bytes), then `fractus_jax.decode.decode_ids` decodes inside one
+jitted loop (see that module for the two modes). Several prompts run as ONE batch: they
+are left-padded with PAD to the longest. The padding is invisible, not an approximation:
+every encode_open prompt starts with BOS, which zeroes the state entering it, and routing
+is exact here (``capacity_factor=None``: at inference no token may lose its experts to
+another row or to a pad). So a batch gives each prompt exactly what it gets alone, at the
+cost of one compile for the whole batch (tests/test_generate.py checks both claims).
+
+``--json`` prints one JSON object as the last line (docs/generation.md lists the fields).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import sys
+import time
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fractus_jax import atom
+from fractus_jax.atom.ids import BOS, EOS, PAD
+from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
+from fractus_jax.config import EngineConfig
+from fractus_jax.decode import MODES, check_decode_args, decode_ids
+
+
+class GenerateError(ValueError):
+    """A user mistake (bad argument, unusable checkpoint): the CLI prints it, no traceback."""
+
+
+@dataclasses.dataclass
+class Generation:
+    """One prompt's result. ``ids`` are the generated ids only (an EOS, if any, last)."""
+    prompt: str
+    prompt_ids: list
+    text: str                 # decode(ids): ids >= 256 dropped, bytes UTF-8 decoded
+    ids: list
+    unique_ids: int           # distinct generated ids
+    unique_bytes: int         # distinct byte values among generated ids < 256
+    confidence: list          # per generated id: sigmoid(confidence_head(h_last))
+    ms_per_id: float          # decode wall time / decode steps run (the batch's, shared)
+    stopped_at_eos: bool
+    mode: str
+    window: Optional[int]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def speech_counts(ids) -> tuple[int, int]:
+    """(unique ids, unique byte values among ids < 256): the speech gate's two counts."""
+    a = np.asarray(ids, np.int64).reshape(-1)
+    return int(np.unique(a).size), int(np.unique(a[a < 256]).size)
+
+
+def check_atom_engine(cfg: EngineConfig) -> None:
+    if cfg.vocab_size != ATOM_VOCAB or cfg.bos_id != BOS:
+        raise GenerateError(
+            f"generate encodes text as Atom ids (vocab {ATOM_VOCAB}, BOS {BOS}); this engine has "
+            f"vocab_size={cfg.vocab_size}, bos_id={cfg.bos_id}")
+
+
+def encode_prompts(prompts: Sequence[str]) -> tuple[list, np.ndarray]:
+    """encode_open each prompt; (per-prompt id arrays, (B, P) batch left-padded with PAD)."""
+    encoded = [np.asarray(atom.encode_open(p), np.int32).reshape(-1) for p in prompts]
+    for p, e in zip(prompts, encoded):
+        if e.size == 0 or int(e[0]) != BOS:
+            raise GenerateError(f"encode_open({p!r}) does not start with BOS")
+    P = max(e.size for e in encoded)
+    batch = np.full((len(encoded), P), PAD, np.int32)
+    for b, e in enumerate(encoded):
+        batch[b, P - e.size:] = e
+    return encoded, batch
+
+
+def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_new: int = 40,
+             mode: str = "step", window: int = 64, temperature: Optional[float] = None,
+             top_k: int = 0, seed: int = 0, exact_routing: bool = True) -> list[Generation]:
+    """Encode, batch (left-padded), decode and detokenize; one `Generation` per prompt.
+
+    ``exact_routing`` (default) decodes with ``capacity_factor=None``; False keeps the
+    config's capacity, under which rows and pads compete for expert slots.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise GenerateError("no prompt given")
+    check_atom_engine(cfg)
+    if temperature is not None and float(temperature) == 0.0:
+        temperature = None
+    try:
+        check_decode_args(cfg, max_new, mode, window, temperature, top_k)
+    except ValueError as e:
+        raise GenerateError(str(e)) from e
+    if exact_routing:
+        cfg = cfg.replace(capacity_factor=None, moe_group_rows=0)
+    encoded, batch = encode_prompts(prompts)
+    prompt_ids = jnp.asarray(batch)
+    key = jax.random.PRNGKey(int(seed))
+    static = dict(max_new=int(max_new), mode=mode, window=int(window),
+                  temperature=None if temperature is None else float(temperature), top_k=int(top_k))
+    compiled = decode_ids.lower(params, cfg, prompt_ids, key=key, **static).compile()
+    t0 = time.perf_counter()
+    ids, conf, n_valid = jax.block_until_ready(compiled(params, prompt_ids, key=key))
+    wall_ms = 1e3 * (time.perf_counter() - t0)
+    ids, conf, n_valid = np.asarray(ids), np.asarray(conf), np.asarray(n_valid)
+    ms_per_id = wall_ms / max(1, int(n_valid.max()))
+    out = []
+    for b, (text, enc) in enumerate(zip(prompts, encoded)):
+        n = int(n_valid[b])
+        gen = ids[b, :n]
+        u_ids, u_bytes = speech_counts(gen)
+        out.append(Generation(
+            prompt=text, prompt_ids=enc.tolist(), text=atom.decode(gen), ids=gen.tolist(),
+            unique_ids=u_ids, unique_bytes=u_bytes, confidence=[float(c) for c in conf[b, :n]],
+            ms_per_id=ms_per_id, stopped_at_eos=bool(n and gen[-1] == EOS), mode=mode,
+            window=int(window) if mode == "window" else None))
+    return out
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def load_run(run_dir: str, step: Optional[int] = None):
+    """(params, engine_cfg) of a trainer run directory, via fractus_jax.train.checkpoint."""
+    try:
+        ckpt = importlib.import_module("fractus_jax.train.checkpoint")
+    except ImportError as e:
+        raise GenerateError(f"cannot load checkpoints: fractus_jax.train.checkpoint is not available ({e})") from e
+    return ckpt.load_for_inference(run_dir, step=step)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m fractus_jax.generate",
+                                 description="Generate text with a trained Fractus engine (Atom ids).")
+    ap.add_argument("--ckpt", required=True, metavar="DIR", help="a run directory written by the trainer")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    ap.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                    help="prompt text; repeat for a batch")
+    ap.add_argument("--max-new", type=int, default=40, metavar="N", help="ids to generate at most (default 40)")
+    ap.add_argument("--mode", choices=MODES, default="step",
+                    help="step: C=1 per id, state carried; window: re-run the last W ids from a zero state")
+    ap.add_argument("--window", type=int, default=64, metavar="W", help="window width of --mode window (default 64)")
+    ap.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
+    ap.add_argument("--top-k", type=int, default=0, metavar="K",
+                    help="with --temperature > 0: sample among the K best (0: all)")
+    ap.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return ap
+
+
+def _fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if not os.path.isdir(args.ckpt):
+        _fail(f"checkpoint directory not found: {args.ckpt}")
+    if any(p == "" for p in args.prompt):
+        _fail("empty prompt (--prompt needs some text)")
+    if args.max_new < 1:
+        _fail(f"--max-new must be >= 1, got {args.max_new}")
+    if args.window < 1:
+        _fail(f"--window must be >= 1, got {args.window}")
+    if not args.temperature >= 0.0:
+        _fail(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        _fail(f"--top-k must be >= 0, got {args.top_k}")
+    try:
+        params, cfg = load_run(args.ckpt, args.step)
+        results = generate(params, cfg, args.prompt, max_new=args.max_new, mode=args.mode,
+                           window=args.window, temperature=args.temperature, top_k=args.top_k,
+                           seed=args.seed)
+    except (GenerateError, OSError, ValueError, KeyError) as e:
+        _fail(str(e) or type(e).__name__)
+    for r in results:
+        if len(results) > 1:
+            print(f"--- {r.prompt!r}")
+        print(r.prompt + r.text)
+        mean_conf = float(np.mean(r.confidence)) if r.confidence else float("nan")
+        print(f"# {len(r.ids)} ids ({'EOS' if r.stopped_at_eos else 'max-new'}), unique ids {r.unique_ids}, "
+              f"unique bytes {r.unique_bytes}, mean confidence {mean_conf:.3f}, {r.ms_per_id:.2f} ms/id")
+    if args.json:
+        objs = [r.to_json() for r in results]
+        print(json.dumps(objs[0] if len(objs) == 1 else {"results": objs}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

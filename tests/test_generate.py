@@ -1,0 +1,302 @@
+"""Generation: the jitted decode core against hand-written loops, batching, the speech path, the CLI."""
+import json
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fractus_jax import atom, config, model
+from fractus_jax import decode as dec
+from fractus_jax import generate as gen
+from engine_testing import move_off_init
+
+CFG = config.tiny(capacity_factor=None)
+PHRASE = "Fox,jumps over dog.\n"
+TEXT = PHRASE * 3
+PREFIX = TEXT[: len(PHRASE) + 5]       # one phrase and "Fox,j"
+WIN = 80                               # >= the whole stream: every window starts at BOS
+TRAIN_STEPS = 300
+
+
+def _check_output(ids, conf, n_valid, max_new, vocab=CFG.vocab_size):
+    ids, conf, n_valid = np.asarray(ids), np.asarray(conf), np.asarray(n_valid)
+    assert ids.shape[1] == conf.shape[1] == max_new
+    assert ((ids >= 0) & (ids < vocab)).all()
+    assert ((n_valid >= 1) & (n_valid <= max_new)).all()
+    for b, n in enumerate(n_valid):
+        assert (ids[b, n:] == dec.PAD_ID).all() and (conf[b, n:] == 0).all()
+        assert not (ids[b, : n - 1] == dec.EOS_ID).any()            # it stops at the first EOS
+        assert n == max_new or ids[b, n - 1] == dec.EOS_ID
+        assert ((conf[b, :n] > 0) & (conf[b, :n] < 1)).all()
+
+
+# ----------------------------------------------------------------------------- the two modes by hand
+
+@pytest.fixture(scope="module")
+def random64():
+    """A float64 engine moved off init; sampled (T = 1) decoding gives varied ids to check."""
+    with jax.enable_x64(True):
+        params = move_off_init(model.init_params(CFG, jax.random.PRNGKey(0), jnp.float64), jax.random.PRNGKey(1))
+        prompt = np.array([[257, 70, 111, 120, 44], [257, 1, 2, 3, 4]], np.int32)
+        key = jax.random.PRNGKey(11)
+        N, W = 12, 6                      # W > P: the first window is padded on the left
+        out = {m: jax.device_get(dec.decode_ids(params, CFG, prompt, N, mode=m, window=W, temperature=1.0, key=key))
+               for m in ("step", "window")}
+    return params, prompt, key, N, W, out
+
+
+def test_step_and_window_are_different_computations(random64):
+    _, _, _, N, _, out = random64
+    for m in out:
+        _check_output(*out[m], N)
+        assert (out[m][2] == N).all()                       # no EOS drawn: the hand loops need not stop
+        assert len(np.unique(out[m][0])) > N                # varied ids, not one id repeated
+    # the carried state (step) and the zero-state window see different things (SPEC §4)
+    assert np.abs(out["step"][1] - out["window"][1]).max() > 1e-4
+    assert not np.array_equal(out["step"][0], out["window"][0])
+
+
+def test_step_mode_equals_forward_chunk_with_c1_by_hand(random64):
+    params, prompt, key, N, _, out = random64
+    with jax.enable_x64(True):
+        # forward_chunk is logits_from_hidden(forward_hidden); the hidden state gives the confidence
+        hid = jax.jit(model.forward_hidden, static_argnums=3)
+        state = model.init_state(CFG, prompt.shape[0], jnp.float64)
+        ids_in = jnp.asarray(prompt)
+        got_ids, got_conf = [], []
+        for i in range(N):
+            h, _, new_state = hid(params, state, ids_in, CFG)
+            logits = model.logits_from_hidden(params, h)
+            nxt = dec.select_ids(logits[:, -1], jax.random.fold_in(key, i), 1.0, 0)
+            got_ids.append(np.asarray(nxt))
+            got_conf.append(np.asarray(model.confidence(params, h[:, -1])))
+            state, ids_in = new_state, nxt[:, None]           # C = 1 from now on, state carried
+    np.testing.assert_array_equal(np.stack(got_ids, 1), out["step"][0])
+    np.testing.assert_allclose(np.stack(got_conf, 1), out["step"][1], rtol=1e-5, atol=1e-6)
+
+
+def test_window_mode_equals_rerunning_the_window(random64):
+    params, prompt, key, N, W, out = random64
+    with jax.enable_x64(True):
+        hid = jax.jit(model.forward_hidden, static_argnums=3)
+        seq = prompt.copy()
+        zero = model.init_state(CFG, prompt.shape[0], jnp.float64)
+        got_conf = []
+        for i in range(N):
+            h, _, _ = hid(params, zero, jnp.asarray(seq[:, -W:]), CFG)   # fewer than W while fewer exist
+            logits = model.logits_from_hidden(params, h[:, -1:])[:, 0]
+            nxt = np.asarray(dec.select_ids(logits, jax.random.fold_in(key, i), 1.0, 0))
+            got_conf.append(np.asarray(model.confidence(params, h[:, -1])))
+            seq = np.concatenate([seq, nxt[:, None]], 1)
+    np.testing.assert_array_equal(seq[:, prompt.shape[1]:], out["window"][0])
+    np.testing.assert_allclose(np.stack(got_conf, 1), out["window"][1], rtol=1e-5, atol=1e-6)
+
+
+def test_sampling_is_reproducible_and_seeded(random64):
+    params, prompt, key, N, W, out = random64
+    with jax.enable_x64(True):
+        args = dict(mode="window", window=W, temperature=1.0)
+        again = jax.device_get(dec.decode_ids(params, CFG, prompt, N, **args, key=key))
+        other = jax.device_get(dec.decode_ids(params, CFG, prompt, N, **args, key=jax.random.PRNGKey(12)))
+    np.testing.assert_array_equal(again[0], out["window"][0])
+    assert not np.array_equal(other[0], out["window"][0])
+
+
+def test_bad_decode_arguments_are_refused():
+    prompt = np.array([[257, 1]], np.int32)
+    for kw in (dict(mode="beam"), dict(max_new=0), dict(mode="window", window=0), dict(temperature=-1.0),
+               dict(top_k=-1), dict(top_k=CFG.vocab_size + 1)):
+        args = dict(max_new=4, mode="step", window=4) | kw
+        with pytest.raises(ValueError):
+            dec.decode_ids(None, CFG, prompt, **args)   # refused before the params are looked at
+
+
+def test_select_ids_greedy_top_k_and_temperature():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (64, CFG.vocab_size))
+    greedy = np.asarray(jnp.argmax(logits, -1))
+    keys = [jax.random.PRNGKey(i) for i in range(4)]
+    for t in (None, 0.0):
+        np.testing.assert_array_equal(dec.select_ids(logits, keys[0], t, 0), greedy)
+    for k in keys:                                          # top-1 sampling is greedy at any temperature
+        np.testing.assert_array_equal(dec.select_ids(logits, k, 0.7, 1), greedy)
+    top5 = np.asarray(jax.lax.top_k(logits, 5)[1])
+    draws = np.stack([np.asarray(dec.select_ids(logits, k, 5.0, 5)) for k in keys], 1)
+    assert all(set(draws[b]) <= set(top5[b]) for b in range(64))
+    assert (draws != greedy[:, None]).mean() > 0.3         # a hot temperature leaves the argmax often
+    wide = np.stack([np.asarray(dec.select_ids(logits, k, 5.0, 0)) for k in keys], 1)
+    assert not all(set(wide[b]) <= set(top5[b]) for b in range(64))
+
+
+# ----------------------------------------------------------------------------- the speech path
+
+@pytest.fixture(scope="module")
+def trained():
+    """The tiny engine trained on one repeated phrase, every step from a ZERO state."""
+    stream = np.asarray(atom.encode(TEXT), np.int32)
+    x, y = jnp.asarray(stream[None, :-1]), jnp.asarray(stream[None, 1:])
+    params = model.init_params(CFG, jax.random.PRNGKey(0))
+    tx = optax.masked(optax.adam(1e-2), model.trainable_mask(params))
+    opt = tx.init(params)
+
+    def loss_fn(p):
+        logits, lb, _ = model.forward_chunk(p, model.init_state(CFG, 1), x, CFG)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return ce + 0.02 * lb, ce
+
+    @jax.jit
+    def step(p, o):
+        (_, ce), g = jax.value_and_grad(loss_fn, has_aux=True)(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, ce
+
+    for _ in range(TRAIN_STEPS):
+        params, opt, ce = step(params, opt)
+    return params, stream, float(ce)
+
+
+def _speech_args(stream):
+    P = len(atom.encode_open(PREFIX))
+    return dict(max_new=len(stream) - P + 3, mode="window", window=WIN), stream[P:]
+
+
+def test_speech_path_reproduces_the_phrase(trained):
+    params, stream, ce = trained
+    assert ce < 0.05
+    args, rest = _speech_args(stream)
+    # the untrained engine does not say it (the check can fail) ...
+    fresh = gen.generate(model.init_params(CFG, jax.random.PRNGKey(0)), CFG, PREFIX, **args)[0]
+    assert fresh.text != TEXT[len(PREFIX):]
+    # ... the trained one says the rest of the phrase, then EOS, as it was trained
+    r = gen.generate(params, CFG, PREFIX, **args)[0]
+    assert r.text == TEXT[len(PREFIX):]
+    assert r.ids == rest.tolist() and r.stopped_at_eos and len(r.confidence) == len(rest)
+    assert r.prompt_ids == atom.encode_open(PREFIX).tolist()
+    assert r.unique_bytes == len(set(PHRASE.encode())) and r.unique_ids == len(set(rest.tolist()))
+    assert r.ms_per_id > 0
+
+
+def test_greedy_decoding_is_deterministic(trained):
+    params, stream, _ = trained
+    args, _ = _speech_args(stream)
+    a, b = (gen.generate(params, CFG, PREFIX, **args)[0] for _ in range(2))
+    assert a.ids == b.ids and a.confidence == b.confidence
+
+
+@pytest.mark.parametrize("mode", ["step", "window"])
+def test_a_batch_gives_each_prompt_what_it_gets_alone(trained, mode):
+    """Prompts of different lengths are left-padded into one batch; the padding is invisible."""
+    params, stream, _ = trained
+    args, _ = _speech_args(stream)
+    args["mode"] = mode
+    short = "Fox,ju"
+    both = gen.generate(params, CFG, [PREFIX, short], **args)
+    alone = [gen.generate(params, CFG, p, **args)[0] for p in (PREFIX, short)]
+    assert len(atom.encode_open(short)) < len(atom.encode_open(PREFIX))
+    for b, a in zip(both, alone):
+        assert b.prompt == a.prompt and b.ids == a.ids
+        np.testing.assert_allclose(b.confidence, a.confidence, rtol=1e-4, atol=1e-5)
+        assert all(0 <= i < CFG.vocab_size for i in b.ids)
+
+
+def test_decode_core_stops_rows_at_eos_independently(trained):
+    params, stream, _ = trained
+    args, rest = _speech_args(stream)
+    _, batch = gen.encode_prompts([PREFIX, "Fox,ju"])
+    # the arguments generate() passes (a jit cache hit after the batch test)
+    ids, conf, n_valid = jax.device_get(dec.decode_ids(params, CFG, jnp.asarray(batch), **args, temperature=None,
+                                                       top_k=0, key=jax.random.PRNGKey(0)))
+    _check_output(ids, conf, n_valid, args["max_new"])
+    assert int(n_valid[0]) == len(rest) < args["max_new"]  # row 0 ends at its EOS, row 1 goes on
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+def _fake_checkpoint_module(monkeypatch, params, cfg, calls):
+    def load_for_inference(run_dir, step=None):
+        calls.append((run_dir, step))
+        return params, cfg
+    fake = types.ModuleType("fractus_jax.train.checkpoint")
+    fake.load_for_inference = load_for_inference
+    monkeypatch.setitem(sys.modules, "fractus_jax.train.checkpoint", fake)
+
+
+def test_cli_json_with_load_for_inference_patched(trained, tmp_path, monkeypatch, capsys):
+    params, stream, _ = trained
+    args, rest = _speech_args(stream)
+    calls = []
+    _fake_checkpoint_module(monkeypatch, params, CFG, calls)
+    rc = gen.main(["--ckpt", str(tmp_path), "--prompt", PREFIX, "--mode", "window", "--window", str(WIN),
+                   "--max-new", str(args["max_new"]), "--json"])
+    assert rc == 0 and calls == [(str(tmp_path), None)]
+    obj = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert obj["text"] == TEXT[len(PREFIX):] and obj["ids"] == rest.tolist()
+    assert obj["unique_ids"] == len(set(obj["ids"])) and obj["unique_bytes"] == len(set(PHRASE.encode()))
+    assert len(obj["confidence"]) == len(obj["ids"]) and obj["ms_per_id"] > 0
+
+    # several prompts: {"results": [...]}, one per prompt, in order
+    rc = gen.main(["--ckpt", str(tmp_path), "--prompt", PREFIX, "--prompt", "Fox,ju", "--mode", "window",
+                   "--window", str(WIN), "--max-new", str(args["max_new"]), "--step", "7", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    obj = json.loads(out[-1])
+    assert rc == 0 and calls[-1] == (str(tmp_path), 7)
+    assert [r["prompt"] for r in obj["results"]] == [PREFIX, "Fox,ju"]
+    assert obj["results"][0]["ids"] == rest.tolist() and obj["results"][0]["stopped_at_eos"]
+    assert PREFIX + TEXT[len(PREFIX):] in "\n".join(out[:-1])  # the human-readable text comes first
+
+
+@pytest.mark.parametrize("argv_extra, message", [
+    (["--prompt", ""], "empty prompt"),
+    (["--prompt", "a", "--max-new", "0"], "--max-new"),
+    (["--prompt", "a", "--mode", "window", "--window", "0"], "--window"),
+    (["--prompt", "a", "--temperature", "-1"], "--temperature"),
+])
+def test_cli_user_mistakes_exit_nonzero_without_traceback(tmp_path, capsys, argv_extra, message):
+    with pytest.raises(SystemExit) as e:
+        gen.main(["--ckpt", str(tmp_path)] + argv_extra)
+    err = capsys.readouterr().err
+    assert e.value.code != 0 and err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_cli_missing_dir_bad_checkpoint_and_wrong_engine(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        gen.main(["--ckpt", str(tmp_path / "nope"), "--prompt", "a"])
+    assert e.value.code != 0 and capsys.readouterr().err.startswith("error: checkpoint directory not found")
+
+    def broken(run_dir, step=None):
+        raise ValueError(f"{run_dir} is not a run directory (no manifest.json)")
+    fake = types.ModuleType("fractus_jax.train.checkpoint")
+    fake.load_for_inference = broken
+    monkeypatch.setitem(sys.modules, "fractus_jax.train.checkpoint", fake)
+    with pytest.raises(SystemExit) as e:
+        gen.main(["--ckpt", str(tmp_path), "--prompt", "a"])
+    assert e.value.code != 0 and "no manifest.json" in capsys.readouterr().err
+
+    parent = config.tiny(variant="parent", vocab_size=300, bos_id=None)
+    _fake_checkpoint_module(monkeypatch, None, parent, [])
+    with pytest.raises(SystemExit) as e:
+        gen.main(["--ckpt", str(tmp_path), "--prompt", "a"])
+    assert e.value.code != 0 and "Atom ids" in capsys.readouterr().err
+
+
+def test_cli_loads_a_real_run_directory(trained, tmp_path, capsys):
+    ckpt = pytest.importorskip("fractus_jax.train.checkpoint")
+    tconfig = pytest.importorskip("fractus_jax.train.config")
+    tstate = pytest.importorskip("fractus_jax.train.state")
+    params, stream, _ = trained
+    tcfg = tconfig.TrainConfig(model=CFG, batch_size=1, seq_len=len(stream) - 1)
+    state = {"params": params, "opt_state": tstate.make_optimizer(tcfg, params).init(params),
+             "carry": model.init_state(CFG, 1), "step": jnp.int32(TRAIN_STEPS), "skipped": jnp.int32(0)}
+    saver = ckpt.RunCheckpointer(tmp_path)
+    try:
+        saver.save(state, {"step": TRAIN_STEPS, "config": tcfg.to_dict()})
+    finally:
+        saver.close()
+    args, rest = _speech_args(stream)
+    rc = gen.main(["--ckpt", str(tmp_path), "--prompt", PREFIX, "--mode", "window", "--window", str(WIN),
+                   "--max-new", str(args["max_new"]), "--json"])
+    obj = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and obj["text"] == TEXT[len(PREFIX):] and obj["ids"] == rest.tolist()

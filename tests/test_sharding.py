@@ -1,0 +1,150 @@
+"""The train step on a mesh of 8 fake CPU devices equals one device; checkpoints move
+between meshes; two processes on localhost train like one."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fractus_jax import sharding
+from fractus_jax.atom import encode
+from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import loop
+from fractus_jax.train import state as state_lib
+from fractus_jax.train.data import LaneReader, global_batch
+from fractus_jax.train.step import jit_train_step
+
+ROOT = Path(__file__).resolve().parents[1]
+MESHES = [(1, 1), (2, 4), (8, 1)]
+STEPS = 3
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "small.u16"
+    texts = [p.read_text() for p in sorted((ROOT / "fractus_jax").rglob("*.py"))]
+    np.concatenate([encode(t) for t in texts]).astype("<u2").tofile(path)
+    return path
+
+
+def _cfg(corpus_file, data, fsdp):
+    cfg = cfg_lib.load_config("tiny")
+    # One MoE group per row: the same dispatch groups on every mesh.
+    return cfg_lib.apply_overrides(cfg, [f"corpus={corpus_file}", "batch_size=8", "model.moe_group_rows=1",
+                                         f"mesh.data={data}", f"mesh.fsdp={fsdp}"])
+
+
+def _train_steps(cfg, corpus_ids):
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
+    state, shardings = state_lib.create_train_state(cfg, mesh, jax.random.PRNGKey(cfg.seed))
+    batch_shard = {"ids": sharding.batch_sharding(mesh, 3, batch_dim=1)}
+    step = jit_train_step(cfg, shardings, batch_shard)
+    reader = LaneReader(corpus_ids, cfg.batch_size, cfg.seq_len)
+    for i in range(STEPS):
+        state, _ = step(state, global_batch(reader, i * cfg.seq_len, batch_shard))
+    return state, shardings
+
+
+@pytest.fixture(scope="module")
+def trained(corpus_file):
+    from fractus_jax.atom.corpus import open_corpus
+
+    ids = open_corpus(corpus_file).ids
+    out = {}
+    with jax.default_matmul_precision("highest"):
+        for data, fsdp in MESHES:
+            out[(data, fsdp)] = _train_steps(_cfg(corpus_file, data, fsdp), ids)
+    return out
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-12)
+
+
+@pytest.mark.parametrize("mesh", [(2, 4), (8, 1)])
+def test_sharded_steps_reach_the_single_device_weights(trained, mesh):
+    single, _ = trained[(1, 1)]
+    sharded, shardings = trained[mesh]
+    obs = sharded["params"]["observe"]
+    if mesh == (2, 4):   # the parameters really are split along fsdp (ZeRO-3)
+        assert "fsdp" in str(obs.sharding.spec)
+        assert obs.addressable_shards[0].data.shape[1] == obs.shape[1] // 4
+    assert int(sharded["step"]) == STEPS
+    init, _ = state_lib.create_train_state(_cfg("x", 1, 1), sharding.make_mesh(), jax.random.PRNGKey(0))
+    assert _rel(single["params"]["blocks"]["attn"]["w_qkv"], init["params"]["blocks"]["attn"]["w_qkv"]) > 1e-4
+    for part in ("params", "opt_state", "carry"):
+        worst = max(jax.tree.leaves(jax.tree.map(_rel, sharded[part], single[part])))
+        assert worst <= 1e-4, (part, worst)
+
+
+def test_checkpoint_saved_on_one_mesh_restores_on_another(trained, corpus_file, tmp_path):
+    state, _ = trained[(2, 4)]
+    ck = ckpt_lib.RunCheckpointer(tmp_path)
+    ck.save(state, {"step": STEPS, "start_token_next": 0})
+    ck.close()
+    for data, fsdp in [(8, 1), (1, 1)]:
+        cfg = _cfg(corpus_file, data, fsdp)
+        mesh = sharding.make_mesh(data, fsdp)
+        abstract = state_lib.abstract_train_state(cfg)
+        shardings = state_lib.train_state_shardings(cfg, mesh, abstract)
+        reader = ckpt_lib.RunCheckpointer(tmp_path, read_only=True)
+        restored, meta = reader.restore(ckpt_lib.abstract_with_shardings(abstract, shardings))
+        reader.close()
+        assert meta["step"] == STEPS
+        assert restored["params"]["observe"].sharding == shardings["params"]["observe"]
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored, state)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_on_localhost_match_one(corpus_file, tmp_path):
+    overrides = [f"--set=corpus={corpus_file}", "--set=batch_size=8", "--set=model.moe_group_rows=1",
+                 "--set=mesh.data=2", "--set=mesh.fsdp=4", "--set=max_steps=2", "--set=save_every=2"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    port = _free_port()
+    workdir = tmp_path / "two"
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "fractus_jax.train", "--no-progress", "--config", "tiny", "--workdir", str(workdir),
+         *overrides, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+         "--local-devices", "4"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+
+    one = tmp_path / "one"
+    cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [o.split("=", 1)[1] for o in overrides])
+    loop.run(loop.prepare(cfg, one, progress=False), progress=False, log=lambda m: None)
+
+    def params(d):
+        c = loop.resolve_for_mesh(cfg)
+        abstract = state_lib.abstract_train_state(c)
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abstract)
+        ck = ckpt_lib.RunCheckpointer(d, read_only=True)
+        try:
+            return ck.restore(abstract)[0]["params"]
+        finally:
+            ck.close()
+
+    a, b = params(workdir), params(one)
+    assert ckpt_lib.read_manifest(workdir)["step"] == 2
+    worst = max(jax.tree.leaves(jax.tree.map(_rel, a, b)))
+    assert worst <= 1e-4, worst   # gloo sums in another order than one process
