@@ -10,6 +10,10 @@ import dataclasses
 from typing import Any, Optional
 
 VARIANTS = ("atom", "parent")
+# The fields that decide what the weights are (their shapes and meaning): a resumed or
+# imported run must keep them; the others only choose how the same function is computed.
+WEIGHT_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_head", "n_levels", "n_oscillators",
+                 "coupling_rank", "n_experts", "top_k", "expert_d_ff", "siren_rank", "variant", "atom_feat_dim")
 ATOM_VOCAB = 266
 ATOM_BOS = 257
 

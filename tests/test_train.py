@@ -246,3 +246,22 @@ def test_lanes_targets_and_feature_context(corpus_file):
     feats = chunk_features(chunks, context)
     boundary = (chunks[..., :-1] >= 259) & (chunks[..., :-1] <= 265)
     assert boundary.any() and np.abs(feats[boundary]).sum() > 0 and np.abs(feats[~boundary]).sum() == 0
+
+
+def test_probes_at_init(corpus_file):
+    from fractus_jax.atom.corpus import open_corpus
+    from fractus_jax.train.probes import SPEECH_STEPS, Prober
+
+    cfg = tiny(corpus_file)
+    prober = Prober(cfg, open_corpus(corpus_file))
+    state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(0))
+    out = prober.run(state["params"], initial=True)
+    # An untrained atom engine: CE near ln 266, no echo (embedding std 0.02, SPEC §6).
+    assert abs(out["init_ce"] - np.log(266)) < 0.1
+    assert out["init_echo"] < 0.05
+    assert 1 <= out["speech_unique_ids"] <= SPEECH_STEPS and 0 <= out["speech_unique_bytes"] <= out["speech_unique_ids"]
+    assert 0 <= out["ar_match"] <= 1 and out["ar_ce"] > 0
+    assert len(out["lb_per_block"]) == cfg.model.n_layers
+    hits = np.asarray(out["expert_hits"])
+    assert hits.shape == (cfg.model.n_layers, cfg.model.n_experts)
+    assert list((hits > 0).sum(-1)) == out["alive_experts"]

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from fractus_jax import sharding
+from fractus_jax.config import WEIGHT_FIELDS
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import probes as probes_lib
 from fractus_jax.train import state as state_lib
@@ -37,9 +38,6 @@ class TrainError(ValueError):
     """A refusal: the run cannot start as asked; nothing was written."""
 
 
-# Engine fields that decide the weights' shapes: a resume must keep them.
-SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_head", "n_levels", "n_oscillators",
-                "coupling_rank", "n_experts", "top_k", "expert_d_ff", "siren_rank", "variant", "atom_feat_dim")
 
 
 @dataclasses.dataclass
@@ -150,7 +148,7 @@ def _check_resume(cfg: TrainConfig, workdir: Path, manifest: dict) -> None:
         raise TrainError(f"{workdir}: the checkpoint's vocab is {old_model.get('vocab_size')}, "
                          f"the config's is {cfg.model.vocab_size}")
     changed = [f"{k}: checkpoint {old_model.get(k)!r}, config {getattr(cfg.model, k)!r}"
-               for k in SHAPE_FIELDS if old_model.get(k) != getattr(cfg.model, k)]
+               for k in WEIGHT_FIELDS if old_model.get(k) != getattr(cfg.model, k)]
     if changed:
         raise TrainError(f"{workdir}: the model differs from the checkpoint's ({'; '.join(changed)})")
     for key in ("batch_size", "seq_len", "accum"):

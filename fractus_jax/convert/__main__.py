@@ -1,0 +1,65 @@
+"""Move a run between JAX and PyTorch (docs/convert.md).
+
+    python -m fractus_jax.convert export --ckpt DIR_OR_STEP --out FILE.pt|FILE.safetensors [--opt] [--hub]
+    python -m fractus_jax.convert import --pt FILE --out DIR --config NAME [--set KEY=VALUE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m fractus_jax.convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="a run directory's checkpoint → PyTorch files")
+    e.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP",
+                   help="a run directory (its latest checkpoint) or DIR/checkpoints/<step>")
+    e.add_argument("--out", required=True, metavar="FILE",
+                   help="FILE.pt (torch.save), FILE.bin, or FILE.safetensors")
+    e.add_argument("--opt", action="store_true",
+                   help="also write the optimizer moments as a PyTorch optimizer state dict (<stem>.opt)")
+    e.add_argument("--hub", action="store_true",
+                   help="the model hub's names: <stem>.bin for a .pt, <stem>.opt.bin for the moments")
+    i = sub.add_parser("import", help="a PyTorch checkpoint → a new run directory the trainer resumes")
+    i.add_argument("--pt", required=True, metavar="FILE", help=".pt, .bin, .pth or .safetensors")
+    i.add_argument("--out", required=True, metavar="DIR", help="the new run directory")
+    i.add_argument("--config", required=True, help="configs/NAME.py (or a path): the run's TrainConfig")
+    i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, as for the trainer")
+    i.add_argument("--opt", dest="opt_file", metavar="FILE",
+                   help="the optimizer file (default: <stem>.opt or <stem>.opt.bin beside --pt)")
+    i.add_argument("--no-opt", action="store_true", help="ignore any optimizer file: fresh moments")
+    i.add_argument("--fresh-carry", action="store_true", help="start from a zero carry even if the batch matches")
+    i.add_argument("--trust-pickle", action="store_true",
+                   help="let torch.load run arbitrary pickled objects (only for files you trust)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from fractus_jax.convert import ConversionError
+    from fractus_jax.convert import run
+    from fractus_jax.train.checkpoint import CheckpointError
+    from fractus_jax.train.config import ConfigError
+
+    warn = lambda msg: print(f"warning: {msg}", file=sys.stderr)  # noqa: E731
+    try:
+        if args.command == "export":
+            for path in run.export_run(args.ckpt, args.out, opt=args.opt, hub=args.hub):
+                print(path)
+        else:
+            meta = run.import_checkpoint(args.pt, args.out, args.config, args.overrides, opt_file=args.opt_file,
+                                         no_opt=args.no_opt, fresh_carry=args.fresh_carry,
+                                         trust_pickle=args.trust_pickle, log=warn)
+            print(f"{args.out}: step {meta['step']}, lane offset {meta['start_token_next']}, "
+                  f"batch {meta['batch_size']}, carry {meta['carry']}")
+    except (ConversionError, ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

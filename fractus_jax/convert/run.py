@@ -1,0 +1,261 @@
+"""A run directory ↔ PyTorch checkpoint files: `export` and `import` (SPEC §2, §6).
+
+Export reads one checkpoint of a run directory (parameters, carried state, counters,
+optionally the optimizer moments) and writes the PyTorch files. Import checks everything
+first (config, tensors, shapes, the optimizer file) and only then writes a run directory
+that `python -m fractus_jax.train --config NAME --workdir DIR` resumes from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from fractus_jax import convert
+from fractus_jax.config import WEIGHT_FIELDS
+from fractus_jax.convert import ConversionError, files, names, optim
+from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import state as state_lib
+from fractus_jax.train.config import TrainConfig, apply_overrides, load_config
+
+Log = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One checkpoint of a run, as numpy trees."""
+    cfg: TrainConfig
+    params: dict
+    opt_state: object          # None unless asked for
+    carry: dict
+    step: int
+    skipped: int
+    meta: dict
+
+
+def resolve_checkpoint(ckpt) -> tuple[Path, Optional[int]]:
+    """A run directory (its latest step) or DIR/checkpoints/<step> → (run dir, step or None)."""
+    path = Path(ckpt)
+    if not path.exists():
+        raise ConversionError(f"{path}: no such run directory or checkpoint")
+    if (path / ckpt_lib.MANIFEST).is_file():
+        return path, None
+    run_dir = path.parent.parent
+    if path.parent.name == ckpt_lib.CHECKPOINTS and path.name.isdigit() and (run_dir / ckpt_lib.MANIFEST).is_file():
+        return run_dir, int(path.name)
+    raise ConversionError(f"{path} is neither a run directory (no {ckpt_lib.MANIFEST}) "
+                          f"nor a step directory DIR/{ckpt_lib.CHECKPOINTS}/<step>")
+
+
+def load_run(ckpt, with_opt: bool) -> Snapshot:
+    run_dir, step = resolve_checkpoint(ckpt)
+    manifest = ckpt_lib.read_manifest(run_dir)
+    cfg = TrainConfig.from_dict(manifest["config"])
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                            state_lib.abstract_train_state(cfg))
+    items = ("params", "opt_state", "extra") if with_opt else ("params", "extra")
+    ck = ckpt_lib.RunCheckpointer(run_dir, read_only=True)
+    try:
+        state, meta = ck.restore(abstract, step, items=items)
+    finally:
+        ck.close()
+    state = jax.device_get(state)
+    if "config" in meta:
+        cfg = TrainConfig.from_dict(meta["config"])
+    return Snapshot(cfg, state["params"], state.get("opt_state"), state["carry"], int(state["step"]),
+                    int(state["skipped"]), meta)
+
+
+def torch_checkpoint(snap: Snapshot) -> tuple[dict, dict, dict]:
+    """(state dict of numpy arrays in the reference module's order, config, extra keys)."""
+    model = snap.cfg.model
+    sd = {**convert.params_to_torch(snap.params, model),
+          **convert.state_to_torch(snap.carry, model, last_lb_loss=float(snap.meta.get("last_lb_loss", 0.0)))}
+    order = optim.torch_state_dict_order(model)
+    if set(order) != set(sd):
+        raise ConversionError(f"internal: the export's keys differ from the reference module's "
+                              f"({sorted(set(order) ^ set(sd))})")
+    config = {**model.torch_kwargs(), "capacity_factor": model.capacity_factor}
+    meta = snap.meta
+    extras = {"step": snap.step, "start_token_next": int(meta.get("start_token_next", 0)),
+              "batch_size": int(meta.get("batch_size", snap.cfg.batch_size)),
+              "seq_len": int(meta.get("seq_len", snap.cfg.seq_len)),
+              "accum": int(meta.get("accum", snap.cfg.accum)),
+              "skipped": snap.skipped, "corpus": dict(meta.get("corpus") or {})}
+    return {k: sd[k] for k in order}, config, extras
+
+
+def export_run(ckpt, out, opt: bool = False, hub: bool = False) -> list[Path]:
+    """`export`: a run's latest (or given) checkpoint → FILE.pt|.bin|.safetensors [+ .opt]."""
+    snap = load_run(ckpt, with_opt=opt)
+    weights, opt_path = files.export_paths(out, opt, hub)
+    model_state, config, extras = torch_checkpoint(snap)
+    optimizer = optim.optimizer_to_torch(snap.opt_state, snap.params, snap.cfg, snap.step) if opt else None
+    return files.write_files(weights, model_state, config, extras, opt_path, optimizer)
+
+
+# ----------------------------------------------------------------------------- import
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"--out {out} exists and is not a directory")
+    if out.exists() and ((out / ckpt_lib.MANIFEST).exists() or (out / ckpt_lib.CHECKPOINTS).exists()):
+        raise ConversionError(f"--out {out} already holds a run; import into a new directory")
+
+
+def _check_tensors(ck: files.TorchCheckpoint, sd: dict, cfg: TrainConfig, log: Log) -> None:
+    model = cfg.model
+    try:
+        convert.check_state_dict(sd, model)
+    except ConversionError as e:
+        raise ConversionError(f"{ck.path}: {e}") from None
+    head = sd.get(names.TIED_HEAD)
+    if head is not None and head is not sd["observe.weight"] and not bool((head == sd["observe.weight"]).all()):
+        raise ConversionError(f"{ck.path}: output_head.weight differs from observe.weight; "
+                              "the engine ties them (one tensor), the head would be lost")
+    if ck.config:
+        wrong = [f"{k}: file {ck.config[k]!r}, config {getattr(model, k)!r}"
+                 for k in WEIGHT_FIELDS if k in ck.config and ck.config[k] != getattr(model, k)]
+        if wrong:
+            raise ConversionError(f"{ck.path}: the file's config differs in what decides the weights "
+                                  f"({'; '.join(wrong)}); choose a matching --config or --set model.FIELD=VALUE")
+        soft = [k for k in (*model.torch_kwargs(), "capacity_factor")
+                if k not in WEIGHT_FIELDS and k in ck.config and ck.config[k] != getattr(model, k)]
+        for k in soft:
+            log(f"{ck.path}: the file's {k} is {ck.config[k]!r}, the config's {getattr(model, k)!r} applies")
+    dtypes = sorted({str(v.dtype).replace("torch.", "") for v in sd.values()} - {"float32"})
+    if dtypes:
+        log(f"{ck.path}: tensors stored as {', '.join(dtypes)} become float32 in the run")
+
+
+def _carry(ck: files.TorchCheckpoint, sd: dict, cfg: TrainConfig, abstract, fresh: bool, log: Log):
+    """(carry tree, last_lb_loss, kept, the carry's batch or None): the file's carried state, or zeros
+    where it cannot continue."""
+    model = cfg.model
+    zeros = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+    keys = [k for k in names.state_keys(model) if k != names.LAST_LB]
+    if not any(k in sd for k in keys):
+        log(f"{ck.path} holds no carried state; the run starts from a zero carry")
+        return zeros, 0.0, False, None
+    thought = sd.get(names.THOUGHT)
+    if thought is None or thought.dim() != 3:
+        raise ConversionError(f"{ck.path}: thought_state is missing or not (B, 1, D)")
+    B, D, N = thought.shape[0], model.d_model, model.n_oscillators
+    want = {names.THOUGHT: (B, 1, D)}
+    for i in range(model.n_layers):
+        want[names.block_key(i, names.BLOCK_S)] = (B, D, D)
+        want[names.block_key(i, names.BLOCK_Z)] = (B, D)
+        want[names.block_key(i, names.BLOCK_PHASE)] = (B, None, N)   # (B, C, N): a chunk's phases
+    problems = [f"missing carry buffer {k}" for k in want if k not in sd]
+    for k, shape in want.items():
+        got = tuple(sd[k].shape) if k in sd else None
+        if got is not None and (len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got))):
+            problems.append(f"wrong shape for {k}: checkpoint {got}, expected "
+                            f"{tuple('C' if w is None else w for w in shape)}")
+    if problems:
+        raise ConversionError(f"{ck.path}: " + "; ".join(problems))
+    last_lb = float(sd[names.LAST_LB]) if names.LAST_LB in sd and sd[names.LAST_LB].numel() == 1 else 0.0
+    if fresh:
+        log("--fresh-carry: the run starts from a zero carry")
+        return zeros, 0.0, False, B
+    if B != cfg.batch_size:
+        log(f"{ck.path}: the carried state is for batch {B}, the config's batch_size is {cfg.batch_size}; "
+            "the run starts from a zero carry")
+        return zeros, 0.0, False, B
+    carry = convert.state_from_torch(sd, model)
+    return jax.tree.map(lambda x, a: np.asarray(x, a.dtype), carry, abstract), last_lb, True, B
+
+
+def _moments(ck: files.TorchCheckpoint, cfg: TrainConfig, params, opt_file, no_opt: bool,
+             trust_pickle: bool, log: Log):
+    template = jax.device_get(state_lib.make_optimizer(cfg, params).init(params))
+    if no_opt:
+        log("--no-opt: fresh optimizer moments (warmup advised)")
+        return template
+    if opt_file is not None:
+        path, opt_sd = Path(opt_file), files.read_optimizer(opt_file, trust_pickle)
+    else:
+        candidates = files.optimizer_candidates(ck.path)
+        path = next((p for p in candidates if p.exists()), None)
+        if path is not None:
+            opt_sd = files.read_optimizer(path, trust_pickle)
+        elif ck.optimizer is not None:
+            path, opt_sd = ck.path, ck.optimizer
+        else:
+            log(f"no optimizer file beside {ck.path} (looked for {', '.join(p.name for p in candidates)}): "
+                "fresh optimizer moments (warmup advised)")
+            return template
+    if not (isinstance(opt_sd.get("state"), dict) and isinstance(opt_sd.get("param_groups"), (list, tuple))):
+        raise ConversionError(f"{path}: not a PyTorch optimizer state dict")
+    return optim.optimizer_from_torch(opt_sd, template, params, cfg, path, log)
+
+
+def _as_int(ck: files.TorchCheckpoint, key: str, value) -> int:
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ConversionError(f"{ck.path}: {key} is {value!r}, not an integer") from None
+    if out < 0:
+        raise ConversionError(f"{ck.path}: {key} is {out}, must be >= 0")
+    return out
+
+
+def _meta(ck: files.TorchCheckpoint, cfg: TrainConfig, carry_kept: bool, carry_batch: Optional[int],
+          last_lb: float, log: Log) -> dict:
+    ex = ck.extras
+    step = _as_int(ck, "step", ex.get("step", 0))
+    start = ex.get("start_token_next", ex.get("start_token"))
+    start = None if start is None else _as_int(ck, "start_token_next", start)
+    batch = ex.get("batch_size", carry_batch)   # the lanes the offset was counted in
+    if start is not None and batch is not None and int(batch) != cfg.batch_size:
+        log(f"{ck.path}: lane offset {start} was for batch {batch}; with batch_size {cfg.batch_size} the lanes "
+            "differ, the offset is set to 0 (choose one with --set start_token=N when training)")
+        start = None
+    elif start is None and step > 0:
+        log(f"{ck.path} records no start_token_next: the run resumes at lane offset 0 unless the trainer "
+            "is given --set start_token=N")
+    if ex.get("seq_len") is not None and int(ex["seq_len"]) != cfg.seq_len:
+        log(f"{ck.path}: trained with seq_len {ex['seq_len']}, the config's seq_len {cfg.seq_len} applies")
+    corpus = ex.get("corpus") if isinstance(ex.get("corpus"), dict) else {}
+    return {"step": step, "start_token_next": start or 0, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+            "accum": cfg.accum, "corpus": corpus, "config": cfg.to_dict(), "ema_tf": None, "ema_ss": None,
+            "last_lb_loss": last_lb, "imported_from": str(Path(ck.path).resolve()),
+            "carry": "imported" if carry_kept else "zero"}
+
+
+def import_checkpoint(pt, out, config: str, overrides: Sequence[str] = (), opt_file=None, no_opt: bool = False,
+                      fresh_carry: bool = False, trust_pickle: bool = False, log: Log = print) -> dict:
+    """`import`: a PyTorch checkpoint (+ its .opt) → a new run directory; returns its meta."""
+    out = Path(out)
+    _check_out(out)
+    cfg = apply_overrides(load_config(config), list(overrides))
+    ck = files.read_checkpoint(pt, trust_pickle)
+    sd = convert.strip_prefix(ck.model_state)
+    _check_tensors(ck, sd, cfg, log)
+    abstract = state_lib.abstract_train_state(cfg)
+    params = jax.tree.map(lambda x, a: np.asarray(x, a.dtype), convert.params_from_torch(sd, cfg.model),
+                          abstract["params"])
+    carry, last_lb, kept, carry_batch = _carry(ck, sd, cfg, abstract["carry"], fresh_carry, log)
+    opt_state = _moments(ck, cfg, params, opt_file, no_opt, trust_pickle, log)
+    meta = _meta(ck, cfg, kept, carry_batch, last_lb, log)
+    state = {"params": params, "opt_state": opt_state, "carry": carry,
+             "step": np.asarray(meta["step"], np.int32),
+             "skipped": np.asarray(_as_int(ck, "skipped", ck.extras.get("skipped", 0)), np.int32)}
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        writer = ckpt_lib.RunCheckpointer(out, keep=cfg.keep_checkpoints)
+        try:
+            writer.save(state, meta)
+        finally:
+            writer.close()
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    return meta

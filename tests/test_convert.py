@@ -1,0 +1,404 @@
+"""The converter both ways: run directory ↔ .pt / .bin / safetensors, optimizer moments, refusals.
+
+One tiny run is trained by the trainer (3 steps, AdamW) and shared; every test starts
+from it or from the PyTorch reference engine.
+"""
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fractus_jax import convert, model  # noqa: E402
+from fractus_jax.atom import encode  # noqa: E402
+from fractus_jax.convert import files, names, optim, run  # noqa: E402
+from fractus_jax.convert.__main__ import main as cli  # noqa: E402
+from fractus_jax.reference import FractusEngine  # noqa: E402
+from fractus_jax.train import checkpoint as ckpt_lib  # noqa: E402
+from fractus_jax.train import config as cfg_lib  # noqa: E402
+from fractus_jax.train import loop  # noqa: E402
+from fractus_jax.train import state as state_lib  # noqa: E402
+from fractus_jax.train.data import LaneReader  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "small.u16"
+    texts = [p.read_text() for p in sorted((ROOT / "fractus_jax").rglob("*.py"))]
+    np.concatenate([encode(t) for t in texts]).astype("<u2").tofile(path)
+    return path
+
+
+def tiny(corpus_file, *overrides):
+    return cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [f"corpus={corpus_file}", "max_steps=3", *overrides])
+
+
+def train(cfg, workdir):
+    plan = loop.prepare(cfg, workdir, progress=False)
+    loop.run(plan, progress=False, log=lambda m: None)
+    return plan
+
+
+@pytest.fixture(scope="module")
+def trained(corpus_file, tmp_path_factory):
+    """(cfg, run dir at step 3, its export a.pt + a.opt)."""
+    base = tmp_path_factory.mktemp("trained")
+    cfg = tiny(corpus_file)
+    train(cfg, base / "run")
+    written = run.export_run(base / "run", base / "a.pt", opt=True)
+    assert written == [base / "a.pt", base / "a.opt"]
+    return cfg, base / "run", base / "a.pt"
+
+
+def _restore(workdir, cfg):
+    snap = run.load_run(workdir, with_opt=True)
+    return {"params": snap.params, "opt_state": snap.opt_state, "carry": snap.carry,
+            "step": snap.step, "skipped": snap.skipped}
+
+
+def _assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def _assert_files_equal(a, b):
+    """Two exports hold the same tensors bit for bit and the same extra keys."""
+    ta, tb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert list(ta["model_state"]) == list(tb["model_state"])
+    for k in ta["model_state"]:
+        assert torch.equal(ta["model_state"][k], tb["model_state"][k]), k
+    assert {k: v for k, v in ta.items() if k != "model_state"} == {k: v for k, v in tb.items() if k != "model_state"}
+
+
+def _assert_opt_equal(a, b):
+    oa, ob = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert oa["param_groups"] == ob["param_groups"] and oa["state"].keys() == ob["state"].keys()
+    for i in oa["state"]:
+        assert oa["state"][i].keys() == ob["state"][i].keys()
+        for slot in oa["state"][i]:
+            assert torch.equal(oa["state"][i][slot], ob["state"][i][slot]), (i, slot)
+
+
+def test_pt_round_trip_is_bit_exact_and_the_import_resumes_alike(trained, corpus_file, tmp_path):
+    cfg, run_dir, a_pt = trained
+    meta = run.import_checkpoint(a_pt, tmp_path / "imported", "tiny", [f"corpus={corpus_file}"], log=print)
+    assert meta["step"] == 3 and meta["start_token_next"] == 3 * cfg.seq_len and meta["carry"] == "imported"
+    run.export_run(tmp_path / "imported", tmp_path / "b.pt", opt=True)
+    _assert_files_equal(a_pt, tmp_path / "b.pt")
+    _assert_opt_equal(a_pt.with_suffix(".opt"), tmp_path / "b.opt")
+    original = _restore(run_dir, cfg)
+    _assert_trees_equal(original, _restore(tmp_path / "imported", cfg))
+    assert np.any(original["carry"]["S"]) and np.any(optim.find_moments(original["opt_state"]).nu["observe"])
+
+    # Nothing was lost: the trainer continues both directories to the same bits.
+    shutil.copytree(run_dir, tmp_path / "original")
+    longer = tiny(corpus_file, "max_steps=5")
+    for d in ("original", "imported"):
+        plan = train(longer, tmp_path / d)
+        assert plan.resume_step == 3 and plan.start_pos == 3 * cfg.seq_len
+    a, b = _restore(tmp_path / "original", longer), _restore(tmp_path / "imported", longer)
+    assert a["step"] == 5
+    _assert_trees_equal(a, b)
+
+
+def test_safetensors_round_trip_is_bit_exact(trained, corpus_file, tmp_path):
+    from safetensors import safe_open
+    _, run_dir, a_pt = trained
+    run.export_run(run_dir, tmp_path / "a.safetensors", opt=True)
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
+        stored, metadata = set(f.keys()), f.metadata()
+    assert names.TIED_HEAD not in stored and "observe.weight" in stored      # the tied head once
+    assert json.loads(metadata["config"])["capacity_factor"] == 1.25 and json.loads(metadata["step"]) == 3
+    run.import_checkpoint(tmp_path / "a.safetensors", tmp_path / "imported", "tiny", [f"corpus={corpus_file}"],
+                          log=print)
+    run.export_run(tmp_path / "imported", tmp_path / "b.safetensors", opt=True)
+    ca, cb = files.read_checkpoint(tmp_path / "a.safetensors"), files.read_checkpoint(tmp_path / "b.safetensors")
+    pt = files.read_checkpoint(a_pt)
+    assert ca.config == cb.config == pt.config and ca.extras == cb.extras == pt.extras
+    assert set(ca.model_state) == set(cb.model_state) == set(pt.model_state)
+    for k in pt.model_state:
+        assert torch.equal(ca.model_state[k], cb.model_state[k]) and torch.equal(ca.model_state[k], pt.model_state[k]), k
+    _assert_opt_equal(tmp_path / "a.opt", tmp_path / "b.opt")
+
+
+def test_export_loads_strictly_and_gives_the_jax_logits_on_the_next_chunk(trained, corpus_file):
+    cfg, run_dir, a_pt = trained
+    blob = torch.load(a_pt, weights_only=True)
+    assert blob["config"] == {**cfg.model.torch_kwargs(), "capacity_factor": cfg.model.capacity_factor}
+    assert (blob["step"], blob["start_token_next"], blob["batch_size"], blob["seq_len"]) == (3, 48, 4, 16)
+    sd = blob["model_state"]
+    assert sd[names.TIED_HEAD] is sd["observe.weight"]
+    assert sd["thought_state"].shape == (4, 1, 32) and sd["blocks.0.kuramoto_phases"].shape == (4, 1, 8)
+    assert "blocks.1.kuramoto.phase_proj.weight" in sd and "atom_feat.weight" in sd
+    ref = FractusEngine(**blob["config"])
+    assert list(sd) == list(ref.state_dict())
+    missing, unexpected = ref.load_state_dict(sd, strict=True)
+    assert not missing and not unexpected
+
+    corpus = np.fromfile(corpus_file, "<u2")
+    ids = LaneReader(corpus, cfg.batch_size, cfg.seq_len).read(blob["start_token_next"])[0][0, :, :-1]
+    with torch.no_grad():
+        logits_t, _ = ref(torch.from_numpy(ids.astype(np.int64)))
+    snap = run.load_run(run_dir, with_opt=False)
+    exact = cfg.model.replace(capacity_factor=None)       # the reference routes without capacity
+    logits_j, _, new_state = jax.jit(model.forward_chunk, static_argnums=3)(snap.params, snap.carry, ids, exact)
+    np.testing.assert_allclose(np.asarray(logits_j), logits_t.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(new_state["thought"]), ref.thought_state[:, 0].numpy(), rtol=1e-4, atol=1e-4)
+    # The carried state matters: from a zero carry the logits differ.
+    zero = model.init_state(cfg.model, cfg.batch_size)
+    logits_0, _, _ = jax.jit(model.forward_chunk, static_argnums=3)(snap.params, zero, ids, exact)
+    assert np.abs(np.asarray(logits_0) - logits_t.numpy()).max() > 1e-3
+
+
+def _torch_steps(engine, opt, grads, cfg, first_step):
+    for k, g in enumerate(grads):
+        for group in opt.param_groups:
+            group["lr"] = optim.scheduled_lr(cfg, first_step + k)
+        for n, p in engine.named_parameters():
+            p.grad = torch.from_numpy(g[n])
+        torch.nn.utils.clip_grad_norm_(engine.parameters(), cfg.clip_norm)
+        opt.step()
+
+
+def _jax_steps(params, opt_state, grads, cfg, first_step):
+    tx = state_lib.make_optimizer(cfg, params)
+    shapes = convert.expected_shapes(cfg.model)
+    for k, g in enumerate(grads):
+        sd = {n: g.get(n, np.zeros(s, np.float32)) for n, s in shapes.items()}
+        tree = convert.params_from_torch(sd, cfg.model)
+        updates, opt_state = tx.update(tree, opt_state, params)
+        lr = optim.scheduled_lr(cfg, first_step + k)
+        params = optax.apply_updates(params, jax.tree.map(lambda u: lr * u, updates))
+    return params, opt_state
+
+
+def _grads(engine, n, seed):
+    rng = np.random.default_rng(seed)
+    return [{name: (0.3 * rng.standard_normal(p.shape)).astype(np.float32) for name, p in engine.named_parameters()}
+            for _ in range(n)]
+
+
+def test_adamw_moments_survive_jax_to_pytorch_to_jax(trained, corpus_file, tmp_path):
+    cfg, run_dir, a_pt = trained
+    snap = run.load_run(run_dir, with_opt=True)
+    blob = torch.load(a_pt, weights_only=True)
+    engine = FractusEngine(**blob["config"])
+    engine.load_state_dict(blob["model_state"], strict=True)
+    opt = torch.optim.AdamW(engine.parameters(), lr=cfg.lr)
+    opt.load_state_dict(torch.load(a_pt.with_suffix(".opt"), weights_only=True))
+    assert opt.param_groups[0]["betas"] == (cfg.b1, cfg.b2) and opt.param_groups[0]["weight_decay"] == cfg.weight_decay
+    grads = _grads(engine, 3, seed=1)
+    _torch_steps(engine, opt, grads, cfg, snap.step)
+    params, opt_state = _jax_steps(snap.params, snap.opt_state, grads, cfg, snap.step)
+
+    torch_now = {k: v.numpy() for k, v in engine.state_dict().items()}
+    for k, v in convert.params_to_torch(params, cfg.model).items():
+        np.testing.assert_allclose(v, torch_now[k], rtol=2e-5, atol=2e-6, err_msg=k)
+    assert np.abs(torch_now["blocks.0.attn.w_qkv"] - blob["model_state"]["blocks.0.attn.w_qkv"].numpy()).max() > 1e-4
+
+    # PyTorch → JAX: the PyTorch trainer's files (compiled-module prefixes) come back as the same moments.
+    prefixed = {"_orig_mod." + k: v for k, v in engine.state_dict().items()}
+    torch.save({"model_state": prefixed, "config": blob["config"], "step": 6, "start_token_next": 96,
+                "batch_size": 4, "seq_len": 16}, tmp_path / "c.pt")
+    torch.save(opt.state_dict(), tmp_path / "c.opt")
+    run.import_checkpoint(tmp_path / "c.pt", tmp_path / "back", "tiny", [f"corpus={corpus_file}"], log=print)
+    back = run.load_run(tmp_path / "back", with_opt=True)
+    assert back.step == 6 and back.meta["start_token_next"] == 96
+    mine, theirs = optim.find_moments(opt_state), optim.find_moments(back.opt_state)
+    assert int(theirs.count) == int(mine.count) == 6
+    for a, b in ((mine.mu, theirs.mu), (mine.nu, theirs.nu), (params, back.params)):
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=2e-5, atol=1e-7), a, b)
+
+
+def test_sgd_momentum_maps_both_ways(trained):
+    cfg, run_dir, _ = trained
+    sgd = cfg_lib.apply_overrides(cfg, ["optimizer=sgd", "lr=7e-4"])
+    params = run.load_run(run_dir, with_opt=False).params
+    engine = FractusEngine(**sgd.model.torch_kwargs())
+    engine.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in convert.params_to_torch(params, sgd.model).items()},
+                           strict=False)
+    grads = _grads(engine, 2, seed=2)
+    params1, opt_state = _jax_steps(params, state_lib.make_optimizer(sgd, params).init(params), grads[:1], sgd, 10)
+    sd = optim.optimizer_to_torch(opt_state, params1, sgd, 11)
+    assert set(sd["state"][0]) == {"momentum_buffer"} and sd["param_groups"][0]["momentum"] == 0.9
+    template = state_lib.make_optimizer(sgd, params).init(params)
+    _assert_trees_equal(optim.optimizer_from_torch(sd, template, params1, sgd, "x.opt", print), opt_state)
+    # One more step on both sides from the mapped state agrees.
+    engine.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in convert.params_to_torch(params1, sgd.model).items()},
+                           strict=False)
+    opt = torch.optim.SGD(engine.parameters(), lr=sgd.lr, momentum=sgd.momentum)
+    opt.load_state_dict(sd)
+    _torch_steps(engine, opt, grads[1:], sgd, 11)
+    params2, _ = _jax_steps(params1, opt_state, grads[1:], sgd, 11)
+    now = {k: v.numpy() for k, v in engine.state_dict().items()}
+    for k, v in convert.params_to_torch(params2, sgd.model).items():
+        np.testing.assert_allclose(v, now[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def _chunk_phases(sd, cfg, chunk):
+    """The phases as a PyTorch chunk call leaves them, (B, C, N): only the last position is state."""
+    sd = dict(sd)
+    for i in range(cfg.model.n_layers):
+        last = sd[names.block_key(i, names.BLOCK_PHASE)]
+        sd[names.block_key(i, names.BLOCK_PHASE)] = torch.cat([torch.rand(last.shape[0], chunk - 1, last.shape[2]), last], 1)
+    return sd
+
+
+def _torch_trainer_files(cfg, directory, stem, batch=2, chunk=5, with_opt=True):
+    """What the PyTorch trainers leave: .bin names, `_orig_mod.` keys, (B, C, N) phases, a .opt.bin."""
+    torch.manual_seed(0)
+    engine = FractusEngine(**cfg.model.torch_kwargs())
+    opt = torch.optim.AdamW(engine.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    logits, lb = engine(torch.randint(0, 256, (batch, chunk)))
+    (logits.square().mean() + lb).backward()
+    opt.step()
+    sd = _chunk_phases(engine.state_dict(), cfg, chunk)
+    torch.save({"model_state": {"_orig_mod." + k: v for k, v in sd.items()}, "config": cfg.model.torch_kwargs(),
+                "step": 7}, directory / f"{stem}.bin")
+    if with_opt:
+        torch.save(opt.state_dict(), directory / f"{stem}.opt.bin")
+    return engine, opt
+
+
+def test_pytorch_trainer_files_and_the_parent_key_set(corpus_file, tmp_path):
+    parent = tiny(corpus_file, "model.variant=parent", "model.bos_id=none")
+    engine, opt = _torch_trainer_files(parent, tmp_path, "parent")
+    warnings = []
+    meta = run.import_checkpoint(tmp_path / "parent.bin", tmp_path / "run", "tiny",
+                                 [f"corpus={corpus_file}", "model.variant=parent", "model.bos_id=none"],
+                                 log=warnings.append)
+    assert meta["step"] == 7 and meta["carry"] == "zero"
+    assert any("batch 2" in w for w in warnings) and any("start_token_next" in w for w in warnings)
+    snap = run.load_run(tmp_path / "run", with_opt=True)
+    moments = optim.find_moments(snap.opt_state)
+    assert int(moments.count) == 1
+    np.testing.assert_array_equal(moments.mu["observe"], opt.state[engine.observe.weight]["exp_avg"].numpy())
+
+    written = run.export_run(tmp_path / "run", tmp_path / "out.pt", opt=True, hub=True)
+    assert written == [tmp_path / "out.bin", tmp_path / "out.opt.bin"]
+    sd = torch.load(tmp_path / "out.bin", weights_only=True)["model_state"]
+    fresh = FractusEngine(**parent.model.torch_kwargs())
+    assert set(sd) == set(fresh.state_dict())          # exactly the parent's keys: no phase_proj, no atom_feat
+    assert not any("phase_proj" in k or "atom_feat" in k for k in sd)
+    fresh.load_state_dict(sd, strict=True)
+    for k, v in engine.state_dict().items():
+        if k not in names.state_keys(parent.model):
+            assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_a_fresh_pytorch_model_imports_at_step_0_and_trains(corpus_file, tmp_path):
+    cfg = tiny(corpus_file)
+    torch.manual_seed(1)
+    engine = FractusEngine(**cfg.model.torch_kwargs())
+    with torch.no_grad():
+        engine(torch.randint(0, 266, (cfg.batch_size, 5)))                   # a carry at the config's batch
+    sd = _chunk_phases(engine.state_dict(), cfg, 5)
+    torch.save({"model_state": sd}, tmp_path / "fresh.pt")                    # no config, no step, no .opt
+    warnings = []
+    meta = run.import_checkpoint(tmp_path / "fresh.pt", tmp_path / "run", "tiny", [f"corpus={corpus_file}"],
+                                 log=warnings.append)
+    assert meta["step"] == 0 and meta["start_token_next"] == 0 and meta["carry"] == "imported"
+    assert any("fresh optimizer moments" in w for w in warnings)
+    carry = run.load_run(tmp_path / "run", with_opt=False).carry
+    np.testing.assert_array_equal(carry["phase"][1], sd["blocks.1.kuramoto_phases"][:, -1].numpy())
+    np.testing.assert_array_equal(carry["thought"], sd["thought_state"][:, 0].numpy())
+    plan = train(cfg, tmp_path / "run")
+    assert plan.resume_step == 0
+    assert ckpt_lib.read_manifest(tmp_path / "run")["step"] == 3
+    trained_params = run.load_run(tmp_path / "run", with_opt=False).params
+    assert np.abs(trained_params["observe"] - engine.observe.weight.detach().numpy()).max() > 0
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def _refused(capsys, argv, out_dir=None, *needles):
+    code = cli(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    if out_dir is not None:
+        assert not Path(out_dir).exists()
+    return err
+
+
+def test_refusals(trained, corpus_file, tmp_path, capsys):
+    cfg, run_dir, a_pt = trained
+    good = torch.load(a_pt, weights_only=True)
+    base = ["import", "--out", str(tmp_path / "never"), "--config", "tiny", "--set", f"corpus={corpus_file}"]
+
+    def refuse(blob_or_path, *needles, extra=()):
+        path = blob_or_path
+        if not isinstance(blob_or_path, Path):
+            path = tmp_path / "bad.pt"
+            torch.save(blob_or_path, path)
+        return _refused(capsys, ["import", "--pt", str(path), *base[1:], *extra], tmp_path / "never", *needles)
+
+    gpt2 = FractusEngine(**cfg.model.replace(vocab_size=50257).torch_kwargs())
+    refuse({"model_state": gpt2.state_dict()}, "vocab", "50257", "266")
+    sd = dict(good["model_state"])
+    del sd["blocks.1.moe.U1"], sd["atom_feat.bias"]
+    sd["blocks.0.attn.extra"] = torch.zeros(2)
+    refuse({"model_state": sd}, "missing tensors: atom_feat.bias, blocks.1.moe.U1", "unexpected tensors: blocks.0.attn.extra")
+    sd = dict(good["model_state"], **{"blocks.0.attn.w_out": torch.zeros(3, 3)})
+    refuse({"model_state": sd}, "blocks.0.attn.w_out", "(3, 3)", "(32, 32)")
+    sd = dict(good["model_state"], **{"blocks.1.attn_S": torch.zeros(4, 32, 31)})
+    refuse({"model_state": sd}, "blocks.1.attn_S", "(4, 32, 31)")
+    refuse({"model_state": good["model_state"], "config": {**good["config"], "n_heads": 4, "d_head": 8}}, "n_heads")
+
+    data = a_pt.read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    refuse(tmp_path / "cut.pt", str(tmp_path / "cut.pt"), "truncated or corrupt")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    refuse(tmp_path / "junk.safetensors", "junk.safetensors", "truncated or corrupt")
+    refuse(tmp_path / "missing.pt", "missing.pt", "no such file")
+    refuse({"model_state": good["model_state"], "args": argparse.Namespace(lr=3e-4)}, "argparse.Namespace",
+           "--trust-pickle")
+    assert cli(["import", "--pt", str(tmp_path / "bad.pt"), *base[1:], "--no-opt", "--trust-pickle"]) == 0
+    assert "warning: --no-opt" in capsys.readouterr().err
+    assert ckpt_lib.read_manifest(tmp_path / "never")["step"] == 0
+    shutil.rmtree(tmp_path / "never")
+
+    shutil.copy(a_pt, tmp_path / "w.pt")
+    opt = a_pt.with_suffix(".opt").read_bytes()
+    (tmp_path / "w.opt").write_bytes(opt[:-100])
+    refuse(tmp_path / "w.pt", str(tmp_path / "w.opt"), "truncated or corrupt")
+    sgd, params = cfg_lib.apply_overrides(cfg, ["optimizer=sgd"]), run.load_run(run_dir, False).params
+    sgd_moments = state_lib.make_optimizer(sgd, params).init(params)
+    torch.save(optim.optimizer_to_torch(sgd_moments, params, sgd, 0), tmp_path / "w.opt")
+    refuse(tmp_path / "w.pt", "SGD", "optimizer=sgd", "--no-opt")
+    bad_opt = torch.load(a_pt.with_suffix(".opt"), weights_only=True)
+    bad_opt["state"][0]["exp_avg"] = torch.zeros(5)
+    torch.save(bad_opt, tmp_path / "w.opt")
+    refuse(tmp_path / "w.pt", "parameter 0 (observe.weight)", "(5,)", "(266, 32)")
+    # An existing run is never overwritten.
+    err = _refused(capsys, ["import", "--pt", str(a_pt), "--out", str(run_dir), "--config", "tiny"], None, "already holds a run")
+    assert ckpt_lib.read_manifest(run_dir)["step"] == 3 and err
+    _refused(capsys, ["export", "--ckpt", str(tmp_path), "--out", str(tmp_path / "x.pt")], None, "neither a run directory")
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_cli_in_a_process(trained, corpus_file, tmp_path):
+    _, run_dir, _ = trained
+    step_dir = run_dir / "checkpoints" / "3"
+    ok = subprocess.run([sys.executable, "-m", "fractus_jax.convert", "export", "--ckpt", str(step_dir),
+                         "--out", str(tmp_path / "x.safetensors"), "--opt"], capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.split() == [str(tmp_path / "x.safetensors"), str(tmp_path / "x.opt")]
+    (tmp_path / "x.opt").write_bytes(b"\x80\x02garbage")
+    bad = subprocess.run([sys.executable, "-m", "fractus_jax.convert", "import", "--pt", str(tmp_path / "x.safetensors"),
+                          "--out", str(tmp_path / "dir"), "--config", "tiny", "--set", f"corpus={corpus_file}"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.startswith("error: ") and "x.opt" in bad.stderr and not (tmp_path / "dir").exists()
