@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,23 +54,34 @@ def read_manifest(workdir) -> Optional[dict]:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
 
 
-def _manager(workdir, keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
+def _manager(workdir, keep: int = 3, read_only: bool = False, asynchronous: bool = False) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                           enable_async_checkpointing=False, read_only=read_only)
+                                           enable_async_checkpointing=asynchronous, read_only=read_only)
     return ocp.CheckpointManager(Path(workdir).resolve() / CHECKPOINTS, options=options, item_names=ITEMS)
 
 
 class RunCheckpointer:
-    """Saves and restores a trainer's state in a run directory."""
+    """Saves and restores a trainer's state in a run directory.
 
-    def __init__(self, workdir, keep: int = 3, read_only: bool = False):
+    With `asynchronous=True`, `save` returns once the arrays are copied off the devices
+    and Orbax writes them in the background while training goes on; the manifest that
+    names the step is written only when `poll` (or `wait`) sees the write committed.
+    """
+
+    def __init__(self, workdir, keep: int = 3, read_only: bool = False, asynchronous: bool = False):
         self.workdir = Path(workdir)
-        self.manager = _manager(workdir, keep, read_only)
+        self.manager = _manager(workdir, keep, read_only, asynchronous)
+        self._pending_manifest = None
+        self._save_started = 0.0
+        # Seconds from a save's start to its commit (an upper bound when seen by poll);
+        # a guess until one is measured. The trainer's deadline margin uses it.
+        self.commit_seconds = 30.0
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
 
-    def save(self, state, meta: dict) -> None:
+    def save(self, state, meta: dict, block: bool = True) -> None:
+        self.wait()   # one write at a time: the previous manifest first
         step = int(meta["step"])
         extra = {k: state[k] for k in ("carry", "step", "skipped")}
         self.manager.save(step, args=ocp.args.Composite(
@@ -77,9 +89,25 @@ class RunCheckpointer:
             opt_state=ocp.args.StandardSave(state["opt_state"]),
             extra=ocp.args.StandardSave(extra),
             meta=ocp.args.JsonSave(meta)), force=True)
+        self._pending_manifest = meta
+        self._save_started = time.time()
+        if block:
+            self.wait()
+
+    def poll(self) -> None:
+        """Write the manifest of a background save that has committed."""
+        if self._pending_manifest is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the last save is committed, then write its manifest."""
+        if self._pending_manifest is None:
+            return
         self.manager.wait_until_finished()
+        self.commit_seconds = time.time() - self._save_started
+        meta, self._pending_manifest = self._pending_manifest, None
         if jax.process_index() == 0:
-            manifest = dict(meta, checkpoint=f"{CHECKPOINTS}/{step}", format=FORMAT_VERSION,
+            manifest = dict(meta, checkpoint=f"{CHECKPOINTS}/{meta['step']}", format=FORMAT_VERSION,
                             time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
             write_json_atomic(self.workdir / MANIFEST, manifest)
 
@@ -103,6 +131,7 @@ class RunCheckpointer:
         return state, restored["meta"]
 
     def close(self) -> None:
+        self.wait()
         self.manager.close()
 
 

@@ -211,7 +211,7 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
     abstract = state_lib.abstract_train_state(cfg)
     shardings = state_lib.train_state_shardings(cfg, mesh, abstract)
     workdir.mkdir(parents=True, exist_ok=True)
-    ckpt = ckpt_lib.RunCheckpointer(workdir, keep=cfg.keep_checkpoints)
+    ckpt = ckpt_lib.RunCheckpointer(workdir, keep=cfg.keep_checkpoints, asynchronous=True)
     ema = {"ema_tf": None, "ema_ss": None}
     if plan.resume_step is not None:
         state, meta = ckpt.restore(ckpt_lib.abstract_with_shardings(abstract, shardings), plan.resume_step)
@@ -240,7 +240,6 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
     metrics_file = open(workdir / METRICS, "a") if lead else None
     bar = _progress_bar(cfg.max_steps, step, progress and lead)
     last_save = time.time()
-    save_seconds = 10.0
     step_seconds = None
     pending = None  # (step, device metrics, dispatch time) of the step in flight
     last = {}
@@ -250,11 +249,11 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
                 "seq_len": cfg.seq_len, "accum": cfg.accum, "corpus": plan.corpus.identity(),
                 "config": cfg.to_dict(), **ema}
 
-    def save(step_done, pos_next):
-        nonlocal last_save, save_seconds
-        t0 = time.time()
-        ckpt.save(state, meta_now(step_done, pos_next))
-        save_seconds, last_save = time.time() - t0, time.time()
+    def save(step_done, pos_next, final=False):
+        """Periodic saves write in the background; the last one (end, signal, deadline) blocks."""
+        nonlocal last_save
+        ckpt.save(state, meta_now(step_done, pos_next), block=final)
+        last_save = time.time()
 
     def record(done_step, device_metrics, t_dispatch, t_prev):
         nonlocal step_seconds, last
@@ -300,12 +299,13 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
                 if m["step"] % cfg.log_every == 0:
                     write_metrics(m)
             pending = (step, device_metrics, time.time())
+            ckpt.poll()
             probe_now = prober is not None and step % cfg.probe_every == 0
             save_now = step % cfg.save_every == 0 or (
                 cfg.save_every_minutes > 0 and time.time() - last_save >= 60 * cfg.save_every_minutes)
             if stop.signal:
                 stop_reason = f"{stop.signal} received"
-            elif deadline is not None and time.time() + 2 * (step_seconds or 0) + 2 * save_seconds >= deadline:
+            elif deadline is not None and time.time() + 2 * (step_seconds or 0) + 1.5 * ckpt.commit_seconds >= deadline:
                 stop_reason = "deadline near"
             if probe_now or save_now or stop_reason or step == cfg.max_steps:
                 m = record(*pending, t_prev)
@@ -315,7 +315,7 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
                 if m["step"] % cfg.log_every == 0 or probe_now or stop_reason or step == cfg.max_steps:
                     write_metrics(m)
                 if save_now or stop_reason or step == cfg.max_steps:
-                    save(step, pos)
+                    save(step, pos, final=bool(stop_reason) or step == cfg.max_steps)
                 t_prev = time.time()
             if stop_reason:
                 break
