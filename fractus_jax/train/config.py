@@ -27,6 +27,14 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GrowConfig:
+    """What `grow_at` adds (fractus_jax.grow.GrowthSpec's fields)."""
+    add_layers: int = 0
+    add_experts: int = 0
+    siren_rank: Optional[int] = None  # the new expert rank; None keeps it
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: EngineConfig
     batch_size: int = 8
@@ -62,6 +70,8 @@ class TrainConfig:
     deadline: str = ""                # ISO time or unix seconds: save and stop before it
     init_from: str = ""               # a run directory whose weights start a fresh run
     mesh: MeshConfig = MeshConfig()
+    grow_at: int = 0                  # at this step: save, grow the body by `grow`, continue
+    grow: GrowConfig = GrowConfig()
 
     def __post_init__(self):
         checks = [
@@ -85,6 +95,7 @@ class TrainConfig:
         d = dict(d)
         d["model"] = EngineConfig.from_dict(d["model"])
         d["mesh"] = MeshConfig(**d.get("mesh", {}))
+        d["grow"] = GrowConfig(**d.get("grow", {}))
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -23,6 +23,7 @@ import numpy as np
 from fractus_jax import sharding
 from fractus_jax.config import WEIGHT_FIELDS
 from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import probes as probes_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import TrainConfig
@@ -118,6 +119,13 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
         raise TrainError(f"batch_size {cfg.batch_size} is not divisible by the mesh's {n} devices "
                          f"(data={cfg.mesh.data} x fsdp={cfg.mesh.fsdp})")
     cfg = resolve_for_mesh(cfg)
+    if cfg.grow_at:
+        from fractus_jax import grow as grow_lib
+        try:
+            grow_lib.target_config(cfg, grow_lib.GrowthSpec(cfg.grow.add_layers, cfg.grow.add_experts,
+                                                            cfg.grow.siren_rank))
+        except grow_lib.GrowthError as e:
+            raise TrainError(f"grow_at={cfg.grow_at}: {e}") from None
     rows = cfg.model.moe_group_rows
     if rows and (cfg.batch_size // n) % rows:
         raise TrainError(f"model.moe_group_rows={rows} does not divide the {cfg.batch_size // n} rows per device")
@@ -125,6 +133,7 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
         raise TrainError(f"workdir {workdir} exists and is not a directory")
     manifest = ckpt_lib.read_manifest(workdir) if workdir.exists() else None
     if manifest is not None:
+        cfg = growth_lib.grown_model_for(cfg, manifest) or cfg
         _check_resume(cfg, workdir, manifest)
     corpus = open_training_corpus(cfg, progress)
     try:
@@ -213,9 +222,11 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = ckpt_lib.RunCheckpointer(workdir, keep=cfg.keep_checkpoints, asynchronous=True)
     ema = {"ema_tf": None, "ema_ss": None}
+    growth = list((plan.manifest or {}).get("growth") or [])
     if plan.resume_step is not None:
         state, meta = ckpt.restore(ckpt_lib.abstract_with_shardings(abstract, shardings), plan.resume_step)
         ema.update({k: meta.get(k) for k in ema})
+        growth = list(meta.get("growth") or growth)
         if jax.process_index() == 0:
             _truncate_metrics(workdir / METRICS, plan.resume_step)
         log(f"resumed {workdir} at step {plan.resume_step}, lane offset {plan.start_pos}")
@@ -227,11 +238,17 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
             log(f"weights from {cfg.init_from}; fresh optimizer moments (warmup advised)")
     reader = LaneReader(plan.corpus.ids, cfg.batch_size, cfg.seq_len, cfg.accum)
     batch_shard = {"ids": sharding.batch_sharding(mesh, 3, batch_dim=1)}
-    use_feats = cfg.feats and cfg.model.is_atom
-    if use_feats:
+    if cfg.feats and cfg.model.is_atom:
         batch_shard["feats"] = sharding.batch_sharding(mesh, 4, batch_dim=1)
-    step_fn = jit_train_step(cfg, shardings, batch_shard)
-    prober = probes_lib.Prober(cfg, plan.corpus) if cfg.probe_every else None
+
+    def build(cfg):
+        """The compiled step and the prober of a config (again after a growth)."""
+        shardings = state_lib.train_state_shardings(cfg, mesh)
+        return (jit_train_step(cfg, shardings, batch_shard),
+                probes_lib.Prober(cfg, plan.corpus) if cfg.probe_every else None)
+
+    step_fn, prober = build(cfg)
+    last_hits = None   # expert hits of the latest probe: where grown experts go
 
     step = int(plan.resume_step or 0)
     pos = plan.start_pos
@@ -247,7 +264,7 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
     def meta_now(step_done, pos_next):
         return {"step": step_done, "start_token_next": pos_next, "batch_size": cfg.batch_size,
                 "seq_len": cfg.seq_len, "accum": cfg.accum, "corpus": plan.corpus.identity(),
-                "config": cfg.to_dict(), **ema}
+                "config": cfg.to_dict(), "growth": growth, **ema}
 
     def save(step_done, pos_next, final=False):
         """Periodic saves write in the background; the last one (end, signal, deadline) blocks."""
@@ -287,8 +304,22 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
     t_prev = time.time()
     with _StopFlag() as stop:
         if prober is not None and step == 0:
-            write_metrics({"step": 0, **prober.run(state["params"], initial=True)})
+            init_probe = prober.run(state["params"], initial=True)
+            last_hits = np.asarray(init_probe["expert_hits"])
+            write_metrics({"step": 0, **init_probe})
         while step < cfg.max_steps:
+            if cfg.grow_at and step >= cfg.grow_at and not growth_lib.already_grown(growth, cfg.grow_at):
+                if pending is not None:
+                    m = record(*pending, t_prev)
+                    pending = None
+                    write_metrics(m)
+                if ckpt.latest_step() != step:
+                    save(step, pos, final=True)   # the run as it was, before growing
+                state, cfg, grow_record = growth_lib.grow_in_place(state, cfg, mesh, step, last_hits)
+                growth.append(grow_record)
+                step_fn, prober = build(cfg)
+                log(f"grew at step {step}: {grow_record['from']} -> {grow_record['to']}")
+                t_prev = time.time()
             batch = global_batch(reader, pos, batch_shard, FEATURE_CONTEXT)
             pos_next = reader.position(pos) + reader.span
             state, device_metrics = step_fn(state, batch)
@@ -312,6 +343,7 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
                 t_prev, pending = time.time(), None
                 if probe_now:
                     m.update(prober.run(state["params"]))
+                    last_hits = np.asarray(m["expert_hits"])
                 if m["step"] % cfg.log_every == 0 or probe_now or stop_reason or step == cfg.max_steps:
                     write_metrics(m)
                 if save_now or stop_reason or step == cfg.max_steps:

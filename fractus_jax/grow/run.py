@@ -1,0 +1,213 @@
+"""Grow a run directory: read one checkpoint, check, grow, probe, write a new run directory.
+
+Everything a user can get wrong is checked before anything is written; the new directory
+is written under a temporary name beside --out and renamed when complete.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from fractus_jax import grow as grow_lib
+from fractus_jax.grow import GrowthError, GrowthSpec
+from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import state as state_lib
+from fractus_jax.train.config import ConfigError, TrainConfig, apply_overrides
+
+Log = Callable[[str], None]
+HITS_SOURCES = ("auto", "probe", "metrics", "none")
+METRICS = "metrics.jsonl"
+
+
+def resolve_checkpoint(ckpt) -> tuple[Path, Optional[int]]:
+    """A run directory (its latest step) or DIR/checkpoints/<step> → (run dir, step or None)."""
+    path = Path(ckpt)
+    if not path.exists():
+        raise GrowthError(f"{path}: no such run directory or checkpoint")
+    if (path / ckpt_lib.MANIFEST).is_file():
+        return path, None
+    run_dir = path.parent.parent
+    if path.parent.name == ckpt_lib.CHECKPOINTS and path.name.isdigit() and (run_dir / ckpt_lib.MANIFEST).is_file():
+        return run_dir, int(path.name)
+    raise GrowthError(f"{path} is neither a run directory (no {ckpt_lib.MANIFEST}) "
+                      f"nor a step directory DIR/{ckpt_lib.CHECKPOINTS}/<step>")
+
+
+def read_meta(run_dir: Path, step: Optional[int]) -> tuple[int, dict]:
+    """(step, the meta saved with that step): its config is the one its arrays have."""
+    ck = ckpt_lib.RunCheckpointer(run_dir, read_only=True)
+    try:
+        step = ck.latest_step() if step is None else step
+        if step is None or step not in ck.manager.all_steps():
+            raise GrowthError(f"{run_dir} has no checkpoint at step {step} (steps: {sorted(ck.manager.all_steps())})")
+        meta = ck.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    finally:
+        ck.close()
+    return step, dict(meta)
+
+
+def load_state(run_dir: Path, step: int, cfg: TrainConfig):
+    """The whole train state of one step, on one device."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                            state_lib.abstract_train_state(cfg))
+    ck = ckpt_lib.RunCheckpointer(run_dir, read_only=True)
+    try:
+        state, _ = ck.restore(abstract, step)
+    finally:
+        ck.close()
+    return state
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise GrowthError(f"--out {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
+        raise GrowthError(f"--out {out} is not empty; grow into a new directory")
+
+
+def target_from(cfg: TrainConfig, growth: GrowthSpec, overrides: Sequence[str]) -> TrainConfig:
+    """--set model.FIELD=VALUE applies to the source config, then the growth spec; checked."""
+    bad = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("model.")]
+    if bad:
+        raise GrowthError(f"--set takes model.FIELD=VALUE only (the grown engine), got {', '.join(bad)}")
+    try:
+        asked = apply_overrides(cfg, list(overrides)).model
+    except ConfigError as e:
+        raise GrowthError(str(e)) from None
+    return grow_lib.target_config(cfg, growth.target(asked) if overrides else growth)
+
+
+def probe_chunk(cfg: TrainConfig, meta: dict, rows: int, corpus_path=None, log: Log = print):
+    """(ids (rows, seq_len), row indices, where they came from): the first rows of the batch
+    the trainer reads next, or random byte ids when the corpus cannot be read."""
+    from fractus_jax.atom.corpus import CorpusError, open_corpus
+    from fractus_jax.train.data import DataError, LaneReader
+
+    rows = max(1, min(rows, cfg.batch_size))
+    path = corpus_path or (meta.get("corpus") or {}).get("path") or cfg.corpus
+    if path:
+        try:
+            corpus = open_corpus(path)
+            want = (meta.get("corpus") or {}).get("n_ids")
+            if want is not None and corpus_path is None and want != corpus.n_ids:
+                raise CorpusError(f"{path} has {corpus.n_ids} ids, the run's corpus had {want}")
+            reader = LaneReader(corpus.ids, cfg.batch_size, cfg.seq_len, cfg.accum)
+            chunks = reader.read(int(meta.get("start_token_next", 0)))[0]
+            return np.asarray(chunks[0, :rows, :-1], np.int32), f"next batch of {path}"
+        except (CorpusError, DataError, OSError) as e:
+            log(f"the probe cannot read the corpus ({e}); it uses random byte ids instead")
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, (rows, cfg.seq_len)).astype(np.int32), "random byte ids"
+
+
+def metrics_hits(run_dir: Path, step: int, shape) -> Optional[np.ndarray]:
+    """The last logged probe `expert_hits` at or before step, if its shape fits."""
+    path = run_dir / METRICS
+    if not path.exists():
+        return None
+    hits = None
+    for line in path.read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if m.get("step", 0) <= step and "expert_hits" in m:
+            hits = m["expert_hits"]
+    if hits is None or np.asarray(hits).shape != tuple(shape):
+        return None
+    return np.asarray(hits, np.float64)
+
+
+def _rows(carry, n):
+    return {"thought": carry["thought"][:n], "S": carry["S"][:, :n], "z": carry["z"][:, :n],
+            "phase": carry["phase"][:, :n]}
+
+
+def grow_run(ckpt, out, growth: GrowthSpec, overrides: Sequence[str] = (), hits: str = "auto",
+             probe_rows: int = 8, corpus=None, seed: int = 0, log: Log = print) -> dict:
+    """`python -m fractus_jax.grow`: returns the growth record written into the manifest."""
+    if hits not in HITS_SOURCES:
+        raise GrowthError(f"--hits must be one of {', '.join(HITS_SOURCES)}, got {hits!r}")
+    out = Path(out)
+    _check_out(out)
+    run_dir, step = resolve_checkpoint(ckpt)
+    if out.resolve() == run_dir.resolve():
+        raise GrowthError("--out must be a new directory, not the run itself")
+    step, meta = read_meta(run_dir, step)
+    if "config" not in meta:   # older checkpoints: the manifest's config
+        meta["config"] = ckpt_lib.read_manifest(run_dir)["config"]
+    cfg = TrainConfig.from_dict(meta["config"])
+    new_cfg = target_from(cfg, growth, overrides)
+    spec = GrowthSpec.between(cfg.model, new_cfg.model)
+    ids, probe_source = probe_chunk(cfg, meta, probe_rows, corpus, log)
+
+    state = load_state(run_dir, step, cfg)
+    old_out = grow_lib.probe(state["params"], _rows(state["carry"], len(ids)), ids, cfg.model)
+    hit_counts, hits_source = None, "none"
+    if spec.add_experts:
+        if hits in ("auto", "probe") and (hits == "probe" or probe_source != "random byte ids"):
+            hit_counts, hits_source = grow_lib.routing_demand(old_out[1], cfg.model.n_experts), "probe"
+        elif hits in ("auto", "metrics"):
+            hit_counts = metrics_hits(run_dir, step, (cfg.model.n_layers, cfg.model.n_experts))
+            hits_source = "metrics" if hit_counts is not None else "none"
+            if hit_counts is None and hits == "metrics":
+                log(f"{run_dir / METRICS} holds no expert_hits for this shape: new experts go to the widest gaps")
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+    grown, _ = grow_lib.grow_train_state(state, cfg, new_cfg.model, key=key, hits=hit_counts)
+    new_out = grow_lib.probe(grown["params"], _rows(grown["carry"], len(ids)), ids, new_cfg.model)
+    change = grow_lib.compare_probe(old_out, new_out)
+    phases = np.asarray(grown["params"]["blocks"]["moe"]["expert_phases"])[:cfg.model.n_layers, cfg.model.n_experts:]
+
+    record = {"at_step": step, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "add_layers": spec.add_layers, "add_experts": spec.add_experts,
+              "siren_rank": new_cfg.model.siren_rank,
+              "from": {k: getattr(cfg.model, k) for k in grow_lib.GROWABLE},
+              "to": {k: getattr(new_cfg.model, k) for k in grow_lib.GROWABLE},
+              "source": str(run_dir.resolve()), "seed": seed,
+              "probe": f"{probe_source}, {ids.shape[0]} rows x {ids.shape[1]}, carried state, no capacity",
+              **{k: v for k, v in change.items() if not k.endswith("_mask")},
+              "hits_source": hits_source if spec.add_experts else None,
+              "new_expert_phases": np.round(phases, 6).tolist() if spec.add_experts else None,
+              "capacity_per_expert": grow_lib.capacity_change(cfg, new_cfg)}
+    new_meta = {**meta, "config": new_cfg.to_dict(), "growth": [*meta.get("growth", []), record]}
+    _write(out, grown, new_meta, run_dir, step, new_cfg)
+    return record
+
+
+def _write(out: Path, state, meta: dict, run_dir: Path, step: int, cfg: TrainConfig) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.growing-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        writer = ckpt_lib.RunCheckpointer(tmp, keep=cfg.keep_checkpoints)
+        try:
+            writer.save(state, meta)
+        finally:
+            writer.close()
+        src = run_dir / METRICS
+        if src.exists():   # the history up to the grown step, so plots continue
+            lines = [ln for ln in src.read_text().splitlines() if ln.strip()]
+            keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+            (tmp / METRICS).write_text("".join(ln + "\n" for ln in keep))
+        if out.exists():
+            out.rmdir()   # empty (checked)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resume_overrides(growth: list) -> list[str]:
+    """The --set flags that make the run's original trainer command resume after its growths
+    (the trainer compares the command line's model shape with the manifest's)."""
+    first, last = growth[0]["from"], growth[-1]["to"]
+    return [f"model.{k}={v}" for k, v in last.items() if v != first.get(k)]
