@@ -47,5 +47,5 @@ def integrate(theta0, omega, coupling_u, coupling_lambda, *, n_steps: int, dt: f
         theta = theta + (dt / 6.0) * (k1 + 2.0 * k2 + 2.0 * k3 + k4)
         return jnp.mod(theta, TWO_PI), None
 
-    theta, _ = jax.lax.scan(rk4_step, theta0, None, length=n_steps)
+    theta, _ = jax.lax.scan(rk4_step, theta0, None, length=n_steps, unroll=True)
     return theta
