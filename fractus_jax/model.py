@@ -12,7 +12,7 @@ The carried state is a dict of float32 (float64 with float64 params) arrays:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -8,3 +8,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Subprocesses (CLI tests) inherit these through the environment.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fractus_jax_test_xla_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory):
+    """~60k ids of real text and code (this package's sources), built with the Atom encoder."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from fractus_jax.atom import encode
+
+    path = tmp_path_factory.mktemp("corpus") / "small.u16"
+    root = Path(__file__).resolve().parents[1] / "fractus_jax"
+    texts = [p.read_text() for p in sorted(root.rglob("*.py"))]
+    np.concatenate([encode(t) for t in texts]).astype("<u2").tofile(path)
+    return path

@@ -1,6 +1,5 @@
 """Shared helpers for the engine tests."""
 import jax
-import jax.numpy as jnp
 
 
 def move_off_init(params, key, scale=0.3):

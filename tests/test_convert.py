@@ -18,7 +18,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fractus_jax import convert, model  # noqa: E402
-from fractus_jax.atom import encode  # noqa: E402
 from fractus_jax.convert import files, names, optim, run  # noqa: E402
 from fractus_jax.convert.__main__ import main as cli  # noqa: E402
 from fractus_jax.reference import FractusEngine  # noqa: E402
@@ -29,14 +28,6 @@ from fractus_jax.train import state as state_lib  # noqa: E402
 from fractus_jax.train.data import LaneReader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.u16"
-    texts = [p.read_text() for p in sorted((ROOT / "fractus_jax").rglob("*.py"))]
-    np.concatenate([encode(t) for t in texts]).astype("<u2").tofile(path)
-    return path
 
 
 def tiny(corpus_file, *overrides):

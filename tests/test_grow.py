@@ -16,7 +16,6 @@ import pytest
 from fractus_jax import config as engine_cfg
 from fractus_jax import grow as grow_lib
 from fractus_jax import model
-from fractus_jax.atom import encode
 from fractus_jax.grow import GrowthError, GrowthSpec
 from fractus_jax.grow import run as grow_run
 from fractus_jax.grow.__main__ import main as cli
@@ -29,14 +28,6 @@ from fractus_jax.train.config import MeshConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 GROW_ALL = ["--add-layers", "1", "--add-experts", "2", "--siren-rank", "12"]
-
-
-@pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.u16"
-    texts = [p.read_text() for p in sorted((ROOT / "fractus_jax").rglob("*.py"))]
-    np.concatenate([encode(t) for t in texts]).astype("<u2").tofile(path)
-    return path
 
 
 def tiny(corpus_file, *overrides):

@@ -7,12 +7,10 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from fractus_jax import sharding
-from fractus_jax.atom import encode
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
@@ -26,14 +24,6 @@ SHARDED_RUN = ["batch_size=8", "model.moe_group_rows=1", "optimizer=sgd", "lr=0.
 STEPS = 3
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
-
-
-@pytest.fixture(scope="module")
-def corpus_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.u16"
-    texts = [p.read_text() for p in sorted((ROOT / "fractus_jax").rglob("*.py"))]
-    np.concatenate([encode(t) for t in texts]).astype("<u2").tofile(path)
-    return path
 
 
 def _cfg(corpus_file, data, fsdp):

@@ -1,6 +1,5 @@
 """The trainer on the tiny config: resume, refusals, preemption, accumulation, skipping."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,6 @@ import numpy as np
 import pytest
 
 from fractus_jax import sharding
-from fractus_jax.atom import encode
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
@@ -21,16 +19,6 @@ from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def corpus_file(tmp_path_factory) -> Path:
-    """~60k ids of real text and code, built with the Atom encoder."""
-    path = tmp_path_factory.mktemp("corpus") / "small.u16"
-    texts = [p.read_text() for p in sorted((ROOT / "fractus_jax").rglob("*.py"))]
-    ids = np.concatenate([encode(t) for t in texts]).astype("<u2")
-    ids.tofile(path)
-    return path
 
 
 def tiny(corpus_file, *overrides):

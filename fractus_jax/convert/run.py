@@ -39,16 +39,10 @@ class Snapshot:
 
 def resolve_checkpoint(ckpt) -> tuple[Path, Optional[int]]:
     """A run directory (its latest step) or DIR/checkpoints/<step> → (run dir, step or None)."""
-    path = Path(ckpt)
-    if not path.exists():
-        raise ConversionError(f"{path}: no such run directory or checkpoint")
-    if (path / ckpt_lib.MANIFEST).is_file():
-        return path, None
-    run_dir = path.parent.parent
-    if path.parent.name == ckpt_lib.CHECKPOINTS and path.name.isdigit() and (run_dir / ckpt_lib.MANIFEST).is_file():
-        return run_dir, int(path.name)
-    raise ConversionError(f"{path} is neither a run directory (no {ckpt_lib.MANIFEST}) "
-                          f"nor a step directory DIR/{ckpt_lib.CHECKPOINTS}/<step>")
+    try:
+        return ckpt_lib.resolve_checkpoint(ckpt)
+    except ckpt_lib.CheckpointError as e:
+        raise ConversionError(str(e)) from None
 
 
 def load_run(ckpt, with_opt: bool) -> Snapshot:

@@ -29,16 +29,10 @@ METRICS = "metrics.jsonl"
 
 def resolve_checkpoint(ckpt) -> tuple[Path, Optional[int]]:
     """A run directory (its latest step) or DIR/checkpoints/<step> → (run dir, step or None)."""
-    path = Path(ckpt)
-    if not path.exists():
-        raise GrowthError(f"{path}: no such run directory or checkpoint")
-    if (path / ckpt_lib.MANIFEST).is_file():
-        return path, None
-    run_dir = path.parent.parent
-    if path.parent.name == ckpt_lib.CHECKPOINTS and path.name.isdigit() and (run_dir / ckpt_lib.MANIFEST).is_file():
-        return run_dir, int(path.name)
-    raise GrowthError(f"{path} is neither a run directory (no {ckpt_lib.MANIFEST}) "
-                      f"nor a step directory DIR/{ckpt_lib.CHECKPOINTS}/<step>")
+    try:
+        return ckpt_lib.resolve_checkpoint(ckpt)
+    except ckpt_lib.CheckpointError as e:
+        raise GrowthError(str(e)) from None
 
 
 def read_meta(run_dir: Path, step: Optional[int]) -> tuple[int, dict]:

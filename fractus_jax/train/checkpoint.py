@@ -135,6 +135,20 @@ class RunCheckpointer:
         self.manager.close()
 
 
+def resolve_checkpoint(ckpt) -> tuple[Path, Optional[int]]:
+    """A run directory (its latest step) or DIR/checkpoints/<step> → (run dir, step or None)."""
+    path = Path(ckpt)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such run directory or checkpoint")
+    if (path / MANIFEST).is_file():
+        return path, None
+    run_dir = path.parent.parent
+    if path.parent.name == CHECKPOINTS and path.name.isdigit() and (run_dir / MANIFEST).is_file():
+        return run_dir, int(path.name)
+    raise CheckpointError(f"{path} is neither a run directory (no {MANIFEST}) "
+                          f"nor a step directory DIR/{CHECKPOINTS}/<step>")
+
+
 def abstract_with_shardings(abstract, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
