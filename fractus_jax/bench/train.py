@@ -1,0 +1,161 @@
+"""`python -m fractus_jax.bench train --config NAME [--set k=v ...] [--steps N] [--torch] [--json]`
+
+Times the very step the trainer runs (`fractus_jax.train.step.jit_train_step`, state
+donated, on the config's mesh) after compilation and warm-up, and reports ids/s, the
+analytic model FLOPs per id (fractus_jax/bench/flops.py), the achieved FLOP/s and
+MFU = achieved / peak, where the peak is measured in the same run: a dense float32 matmul
+on a CPU, a bfloat16 matmul on a GPU. With `--torch`, the package's PyTorch reference
+engine runs the PyTorch parent trainer's step on the same config and batch (chunk
+forward + CE + lb, backward, SGD momentum 0.9) with the parent's einsum attention
+kernel, and the ratio is reported. With --json the last line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from fractus_jax.bench import timing
+from fractus_jax.bench.flops import train_flops_per_id
+
+
+def measure_peak(backend: str, repeats: int = 5) -> tuple[float, str]:
+    """FLOP/s of a large dense matmul: float32 on a CPU, bfloat16 on an accelerator."""
+    import jax
+    import jax.numpy as jnp
+
+    n, dtype = (2048, jnp.float32) if backend == "cpu" else (8192, jnp.bfloat16)
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
+    ms = timing.time_jax(lambda x, y: x @ y, a, b, repeats=repeats)
+    return 2 * n ** 3 / (ms / 1e3), f"{jnp.dtype(dtype).name} {n}x{n} matmul"
+
+
+def time_jax_step(cfg, steps: int, warmup: int) -> dict:
+    import jax
+    import numpy as np
+
+    from fractus_jax import sharding
+    from fractus_jax.train import state as state_lib
+    from fractus_jax.train.data import LaneReader, global_batch
+    from fractus_jax.train.step import jit_train_step
+
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
+    state, shardings = state_lib.create_train_state(cfg, mesh, jax.random.PRNGKey(cfg.seed))
+    batch_shard = {"ids": sharding.batch_sharding(mesh, 3, batch_dim=1)}
+    step = jit_train_step(cfg, shardings, batch_shard)
+    span = cfg.batch_size * (cfg.accum * cfg.seq_len + 1) * (steps + warmup + 2)
+    ids = np.random.default_rng(0).integers(0, min(256, cfg.model.vocab_size), span).astype(np.int32)
+    reader = LaneReader(ids, cfg.batch_size, cfg.seq_len, cfg.accum)
+    batches = [global_batch(reader, i * reader.span, batch_shard) for i in range(steps + warmup + 1)]
+    t0 = time.perf_counter()
+    state, metrics = step(state, batches[0])
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - t0
+    for b in batches[1:warmup + 1]:
+        state, metrics = step(state, b)
+    jax.block_until_ready(metrics)
+    times = []
+    for b in batches[warmup + 1:]:
+        t0 = time.perf_counter()
+        state, metrics = step(state, b)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"ms_per_step": 1e3 * times[len(times) // 2], "compile_s": compile_s,
+            "ce_last": float(metrics["ce_tf"])}
+
+
+def time_torch_step(cfg, steps: int) -> float:
+    """Median ms of the PyTorch parent trainer's step on the reference engine."""
+    import torch
+    import torch.nn.functional as F
+
+    from fractus_jax.reference import FractusEngine
+    from fractus_jax.reference import functional as Fn
+
+    def parent_kernel(qf, kf, v, S0, z0, reset=None):
+        if reset is not None and bool(reset.any()):
+            raise ValueError("the einsum kernel has no document resets")
+        return Fn.einsum_attention(qf, kf, v, S0, z0)
+
+    torch.manual_seed(0)
+    engine = FractusEngine(**cfg.model.torch_kwargs())
+    opt = torch.optim.SGD(engine.parameters(), lr=cfg.lr, momentum=0.9)
+    B, C = cfg.batch_size, cfg.seq_len
+    ids = torch.randint(0, min(256, cfg.model.vocab_size), (B, C + 1))
+    loop_attention = Fn.loop_attention
+    Fn.loop_attention = parent_kernel    # the parent engine's kernel, for this benchmark only
+    try:
+        def step():
+            opt.zero_grad(set_to_none=True)
+            logits, lb = engine(ids[:, :-1])
+            loss = F.cross_entropy(logits.reshape(B * C, -1), ids[:, 1:].reshape(-1)) + cfg.lb_coef * lb
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(engine.parameters(), cfg.clip_norm)
+            opt.step()
+        return timing.time_torch(step, repeats=steps, warmup=1)
+    finally:
+        Fn.loop_attention = loop_attention
+
+
+def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict:
+    import jax
+
+    backend = jax.default_backend()
+    jax_res = time_jax_step(cfg, steps, warmup)
+    ids_per_step = cfg.batch_size * cfg.seq_len * cfg.accum
+    ids_per_s = ids_per_step / (jax_res["ms_per_step"] / 1e3)
+    flops_per_id = train_flops_per_id(cfg.model)
+    peak, peak_kind = measure_peak(backend)
+    n_dev = cfg.mesh.data * cfg.mesh.fsdp
+    achieved = ids_per_s * flops_per_id
+    out = {"ids_per_s": ids_per_s, "mfu": achieved / (peak * n_dev), "flops_per_id": flops_per_id,
+           "achieved_flops_per_s": achieved, "peak_flops_per_s_per_device": peak, "peak_kind": peak_kind,
+           "ms_per_step": jax_res["ms_per_step"], "compile_s": jax_res["compile_s"],
+           "ids_per_step": ids_per_step, "devices": n_dev, "backend": backend,
+           "device_kind": jax.devices()[0].device_kind, "cores": timing.cpu_cores()}
+    if with_torch:
+        import torch
+        torch.set_num_threads(timing.cpu_cores())
+        ms = time_torch_step(cfg, max(2, steps // 3))
+        out["torch_ids_per_s"] = ids_per_step / (ms / 1e3)
+        out["speedup_vs_torch"] = ids_per_s / out["torch_ids_per_s"]
+        out["torch_threads"] = torch.get_num_threads()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fractus_jax.bench train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="bench_small")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--torch", action="store_true", help="also time the PyTorch reference step")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    from fractus_jax.train import config as cfg_lib
+    from fractus_jax.train.loop import resolve_for_mesh
+
+    try:
+        cfg = resolve_for_mesh(cfg_lib.apply_overrides(cfg_lib.load_config(args.config), args.overrides))
+    except cfg_lib.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.steps < 1:
+        print("error: --steps must be >= 1", file=sys.stderr)
+        return 2
+    r = run(cfg, args.steps, args.warmup, args.torch)
+    print(f"{args.config} on {r['devices']} x {r['device_kind']} ({r['backend']}, {r['cores']} cores): "
+          f"{r['ms_per_step']:.1f} ms/step, {r['ids_per_s']:.0f} ids/s (compile {r['compile_s']:.1f} s)")
+    print(f"  {r['flops_per_id'] / 1e6:.2f} MFLOP/id (analytic, train), achieved "
+          f"{r['achieved_flops_per_s'] / 1e9:.2f} GFLOP/s, peak {r['peak_flops_per_s_per_device'] / 1e9:.1f} "
+          f"GFLOP/s/device ({r['peak_kind']}), MFU {100 * r['mfu']:.1f}%")
+    if "torch_ids_per_s" in r:
+        print(f"  PyTorch reference step: {r['torch_ids_per_s']:.0f} ids/s ({r['torch_threads']} threads); "
+              f"JAX is {r['speedup_vs_torch']:.1f}x")
+    if args.json:
+        print(json.dumps(r))
+    return 0
