@@ -159,20 +159,21 @@ def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, mm_
     qkv = jnp.einsum("bcd,jde->jbce", x_BxCxD.astype(mm_dtype), p["w_qkv"].astype(mm_dtype))
     qkv = qkv.astype(acc) + p["b_qkv"][:, None, None, :]
     q, k, v = (a.reshape(B, C, H, dH).transpose(0, 2, 1, 3) for a in qkv)   # (B, H, C, dH)
-    offsets = jax.lax.stop_gradient(p["level_offsets"])[None, :, None, None, None]
-    qf = attn_k.elu1(q[:, None] + offsets)                                    # (B, Lv, H, C, dH)
-    kf = attn_k.elu1(k[:, None] + offsets)
-    shape = (B, Lv, H, C, dH)
-    y, S_l, z_l = attn_k.linear_attention(
-        qf, kf, jnp.broadcast_to(v[:, None], shape),
-        jnp.broadcast_to(S_BxHxdxd[:, None], (B, Lv, H, dH, dH)),
-        jnp.broadcast_to(z_BxHxd[:, None], (B, Lv, H, dH)),
-        reset_BxC[:, None, None, :], block_size=cfg.attn_block_size)
+    # Levels stacked slice by slice, and the carry summed slice by slice: XLA's CPU backend
+    # reduces a short broadcast axis ~30× slower than it adds two slices (docs/engine.md).
+    offsets = jax.lax.stop_gradient(p["level_offsets"])
+    qf = jnp.stack([attn_k.elu1(q + offsets[l]) for l in range(Lv)], axis=1)   # (B, Lv, H, C, dH)
+    kf = jnp.stack([attn_k.elu1(k + offsets[l]) for l in range(Lv)], axis=1)
+    v_l = jnp.stack([v] * Lv, axis=1)
+    S_l0 = jnp.stack([S_BxHxdxd] * Lv, axis=1)
+    z_l0 = jnp.stack([z_BxHxd] * Lv, axis=1)
+    y, S_l, z_l = attn_k.linear_attention(qf, kf, v_l, S_l0, z_l0, reset_BxC[:, None, None, :],
+                                          block_size=cfg.attn_block_size)
     mix = jax.nn.softmax(p["level_logits"])
     a = jnp.einsum("l,blhcd->bchd", mix, y).reshape(B, C, H * dH)
     out = jnp.einsum("bcd,de->bce", a.astype(mm_dtype), p["w_out"].astype(mm_dtype)).astype(acc)
-    new_S = jax.lax.stop_gradient(S_l.mean(1))
-    new_z = jax.lax.stop_gradient(z_l.mean(1))
+    new_S = jax.lax.stop_gradient(sum(S_l[:, l] for l in range(Lv)) / Lv)
+    new_z = jax.lax.stop_gradient(sum(z_l[:, l] for l in range(Lv)) / Lv)
     return out + p["b_out"], new_S, new_z
 
 

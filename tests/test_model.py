@@ -46,15 +46,17 @@ def test_scanned_layers_equal_a_layer_loop(variant):
 
 def test_remat_changes_nothing_but_memory():
     cfg = config.tiny()
-    params, state, ids = _tiny_inputs(cfg)
+    with jax.enable_x64(True):   # float64: remat may reorder float32 rounding, nothing more
+        params, state, ids = _tiny_inputs(cfg, dtype=jnp.float64)
 
-    def loss(p, c):
-        logits, lb, _ = fj.forward_chunk(p, state, ids, c)
-        return jnp.mean(logits ** 2) + lb
+        def loss(p, c):
+            logits, lb, _ = fj.forward_chunk(p, state, ids, c)
+            return jnp.mean(logits ** 2) + lb
 
-    g1 = jax.grad(loss)(params, cfg)
-    g2 = jax.grad(loss)(params, cfg.replace(remat=True))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g2)
+        g1 = jax.jit(jax.grad(loss), static_argnums=1)(params, cfg)
+        g2 = jax.jit(jax.grad(loss), static_argnums=1)(params, cfg.replace(remat=True))
+    assert float(jnp.abs(g1["blocks"]["attn"]["w_qkv"]).max()) > 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13), g1, g2)
 
 
 @pytest.mark.parametrize("variant", ["atom", "parent"])

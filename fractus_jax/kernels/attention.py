@@ -12,15 +12,18 @@ means the state entering t is zero. The recurrence (SPEC §3.1 step 4) is inclus
 
 `linear_attention_reference` is that recurrence written as a scan over positions: the
 executable definition, kept to test against. `linear_attention` is the fast form used by the
-engine: positions are cut into blocks; inside a block the causal, same-segment interactions
-are one masked (c×c) product, and the state is carried from block to block by a `lax.scan`.
-It never holds more than one dH×dH state per block (memory flat in C), unlike the reference,
-whose backward keeps one per position.
+engine: positions are cut into blocks of c; inside a block the causal, same-segment
+interactions are one masked (c×c) product; each block's own contribution to the state
+(ΔS = Σ k vᵀ over its last segment) is one product, and the state entering every block comes
+from a `lax.associative_scan` over blocks with the reset gate. Everything is batched over the
+blocks (no sequential loop in the forward or the backward). It holds one dH×dH state per
+block, C/c of them, never one per position as the reference's backward does.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _DEN_FLOOR = 1e-10  # below this |den| the output is defined as 0 (SPEC §3.1)
 _DEN_EPS = 1e-20
@@ -60,58 +63,79 @@ def linear_attention_reference(qf, kf, v, S0, z0, reset):
     return jnp.moveaxis(y, 0, -2), S, z
 
 
+def _combine_blocks(earlier, later):
+    """The associative operator of block states: (g1, S1, z1)∘(g2, S2, z2) =
+    (g1·g2, g2·S1 + S2, g2·z1 + z2), g ∈ {0, 1} the gate "no reset in this block"."""
+    g1, S1, z1 = earlier
+    g2, S2, z2 = later
+    return g1 * g2, g2 * S1 + S2, g2[..., 0] * z1 + z2
+
+
 def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64):
-    """Chunkwise form: masked products inside blocks, block states carried by a scan."""
+    """Chunkwise form: masked products inside blocks, block states combined by a scan."""
     dt = _state_dtype(qf.dtype)
     qf, kf, v = (a.astype(dt) for a in (qf, kf, v))
-    S0, z0 = S0.astype(dt), z0.astype(dt)
-    reset = jnp.broadcast_to(reset, qf.shape[:-1])
     *batch, C, dH = qf.shape
+    nb = len(batch)
+    S0 = jnp.broadcast_to(S0.astype(dt), (*batch, dH, dH))
+    z0 = jnp.broadcast_to(z0.astype(dt), (*batch, dH))
+    reset = jnp.asarray(reset)
+    if np.broadcast_shapes(reset.shape, (*batch, C)) != (*batch, C):
+        raise ValueError(f"reset {reset.shape} does not broadcast to {(*batch, C)}")
+    # The masks stay at the reset's own shape (the engine passes one row of resets for every
+    # level and head): they broadcast into the products instead of being built per head.
+    reset = reset.reshape((1,) * (nb + 1 - reset.ndim) + reset.shape)
     c = min(block_size, C)
     n_blocks = -(-C // c)
     pad = n_blocks * c - C
     if pad:
         # Padded positions come after every real one, so causality keeps them out of the
         # real outputs; padding kf with zeros keeps them out of the final state.
-        widths = [(0, 0)] * len(batch) + [(0, pad), (0, 0)]
+        widths = [(0, 0)] * nb + [(0, pad), (0, 0)]
         qf, kf, v = (jnp.pad(a, widths) for a in (qf, kf, v))
-        reset = jnp.pad(reset, [(0, 0)] * len(batch) + [(0, pad)])
+        reset = jnp.pad(reset, [(0, 0)] * nb + [(0, pad)])
 
-    def to_blocks(a, trailing):
-        a = a.reshape(*batch, n_blocks, c, *trailing)
-        return jnp.moveaxis(a, len(batch), 0)
-
-    q_blocks = to_blocks(qf, (dH,))
-    k_blocks = to_blocks(kf, (dH,))
-    v_blocks = to_blocks(v, (dH,))
-    r_blocks = to_blocks(reset, ())
-
+    # Blocks are an axis before the positions: a reshape, no transpose. One block gets no
+    # block axis (a size-1 axis there leads XLA:CPU to slow layouts, ~2.5x at C = c = 128).
+    blocked = n_blocks > 1
+    q, k = qf, kf
+    if blocked:
+        q, k, v = (a.reshape(*batch, n_blocks, c, dH) for a in (q, k, v))
+        reset = reset.reshape(*reset.shape[:-1], n_blocks, c)
+    seg = jnp.cumsum(reset.astype(jnp.int32), axis=-1)                    # (..., [n,] c)
+    # Inside a block, i contributes to j when i <= j and no reset lies in (i, j].
     causal = jnp.tril(jnp.ones((c, c), bool))
+    mask = ((seg[..., :, None] == seg[..., None, :]) & causal).astype(dt)   # (..., [n,] c_j, c_i)
+    # from_carry: no reset in [block start, j], so the state entering the block reaches j;
+    # in_last_seg: positions whose k, v survive to the block's end.
+    from_carry = (seg == 0).astype(dt)
+    in_last_seg = (seg == seg[..., -1:]).astype(dt)
 
-    def block_step(carry, xs):
-        S, z = carry
-        q_c, k_c, v_c, r_c = xs
-        seg = jnp.cumsum(r_c.astype(jnp.int32), axis=-1)            # (..., c)
-        # i contributes to j when i <= j and no reset lies in (i, j].
-        same_seg = seg[..., :, None] == seg[..., None, :]            # (..., c_j, c_i)
-        mask = (same_seg & causal).astype(dt)
-        from_carry = (seg == 0).astype(dt)                            # no reset in [0, j]
-        scores = jnp.einsum("...jd,...id->...ji", q_c, k_c) * mask
-        num = jnp.einsum("...ji,...ie->...je", scores, v_c)
-        num = num + from_carry[..., None] * jnp.einsum("...jd,...de->...je", q_c, S)
-        den = scores.sum(-1) + from_carry * jnp.einsum("...jd,...d->...j", q_c, z)
-        y = _safe_divide(num, den)
-        # State after the block: the carry survives only without a reset in the block;
-        # of the block's own positions, only the last segment's survive.
-        in_last_seg = (seg == seg[..., -1:]).astype(dt)               # (..., c)
-        k_last = k_c * in_last_seg[..., None]
-        S_new = from_carry[..., -1, None, None] * S + jnp.einsum("...id,...ie->...de", k_last, v_c)
-        z_new = from_carry[..., -1, None] * z + k_last.sum(-2)
-        return (S_new, z_new), y
+    scores = jnp.einsum("...jd,...id->...ji", q, k) * mask
+    num = jnp.einsum("...ji,...ie->...je", scores, v)
+    den = scores.sum(-1)
 
-    (S, z), y = jax.lax.scan(block_step, (S0, z0), (q_blocks, k_blocks, v_blocks, r_blocks))
-    y = jnp.moveaxis(y, 0, len(batch)).reshape(*batch, n_blocks * c, dH)
-    return y[..., :C, :], S, z
+    # What each block adds to a zero state, then the state after each block by the recurrence
+    # S_b = g_b·S_{b-1} + ΔS_b (g_b = 0 when block b holds a reset), as an associative scan.
+    k_last = k * in_last_seg[..., None]
+    dS = jnp.einsum("...id,...ie->...de", k_last, v)                  # (..., [n,] dH, dH)
+    dz = k_last.sum(-2)                                                 # (..., [n,] dH)
+    gate = from_carry[..., -1][..., None, None]                         # (..., [n,] 1, 1)
+    if blocked:
+        g, S_zero, z_zero = jax.lax.associative_scan(_combine_blocks, (gate, dS, dz), axis=nb)
+        S_after = S_zero + g * S0[..., None, :, :]                      # state after block b
+        z_after = z_zero + g[..., 0] * z0[..., None, :]
+        S_in = jnp.concatenate([S0[..., None, :, :], S_after[..., :-1, :, :]], axis=nb)
+        z_in = jnp.concatenate([z0[..., None, :], z_after[..., :-1, :]], axis=nb)  # entering b
+        S_out, z_out = S_after[..., -1, :, :], z_after[..., -1, :]
+    else:
+        S_in, z_in = S0, z0
+        S_out, z_out = dS + gate * S0, dz + gate[..., 0] * z0
+
+    num = num + from_carry[..., None] * jnp.einsum("...jd,...de->...je", q, S_in)
+    den = den + from_carry * jnp.einsum("...jd,...d->...j", q, z_in)
+    y = _safe_divide(num, den).reshape(*batch, n_blocks * c, dH)
+    return y[..., :C, :], S_out, z_out
 
 
 def elu1(u):
