@@ -153,27 +153,29 @@ def layer_norm(x, p, eps):
 
 
 def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, mm_dtype):
-    B, C, _ = x_BxCxD.shape
+    B, C, D = x_BxCxD.shape
     H, dH, Lv = cfg.n_heads, cfg.d_head, cfg.n_levels
     acc = S_BxHxdxd.dtype
-    qkv = jnp.einsum("bcd,jde->jbce", x_BxCxD.astype(mm_dtype), p["w_qkv"].astype(mm_dtype))
-    qkv = qkv.astype(acc) + p["b_qkv"][:, None, None, :]
-    q, k, v = (a.reshape(B, C, H, dH).transpose(0, 2, 1, 3) for a in qkv)   # (B, H, C, dH)
-    # Levels stacked slice by slice, and the carry summed slice by slice: XLA's CPU backend
-    # reduces a short broadcast axis ~30× slower than it adds two slices (docs/engine.md).
+    # One (D, 3D) matmul rather than three: w_qkv[j] is (D_in, D_out).
+    w = p["w_qkv"].transpose(1, 0, 2).reshape(D, 3 * D)
+    qkv = (x_BxCxD.astype(mm_dtype) @ w.astype(mm_dtype)).astype(acc) + p["b_qkv"].reshape(3 * D)
+    q, k, v = (qkv[..., j * D:(j + 1) * D].reshape(B, C, H, dH).transpose(0, 2, 1, 3)
+               for j in range(3))                                            # (B, H, C, dH)
+    # One kernel call per level (L is small and static): no stacked copies of q, k, v and
+    # the carry, and the carry's level mean is a sum of slices (XLA's CPU backend reduces a
+    # short broadcast axis ~30× slower than it adds slices, docs/engine.md).
     offsets = jax.lax.stop_gradient(p["level_offsets"])
-    qf = jnp.stack([attn_k.elu1(q + offsets[l]) for l in range(Lv)], axis=1)   # (B, Lv, H, C, dH)
-    kf = jnp.stack([attn_k.elu1(k + offsets[l]) for l in range(Lv)], axis=1)
-    v_l = jnp.stack([v] * Lv, axis=1)
-    S_l0 = jnp.stack([S_BxHxdxd] * Lv, axis=1)
-    z_l0 = jnp.stack([z_BxHxd] * Lv, axis=1)
-    y, S_l, z_l = attn_k.linear_attention(qf, kf, v_l, S_l0, z_l0, reset_BxC[:, None, None, :],
-                                          block_size=cfg.attn_block_size)
     mix = jax.nn.softmax(p["level_logits"])
-    a = jnp.einsum("l,blhcd->bchd", mix, y).reshape(B, C, H * dH)
+    reset = reset_BxC[:, None, :]
+    a, S_sum, z_sum = 0.0, 0.0, 0.0
+    for l in range(Lv):
+        y, S_l, z_l = attn_k.linear_attention(attn_k.elu1(q + offsets[l]), attn_k.elu1(k + offsets[l]), v,
+                                              S_BxHxdxd, z_BxHxd, reset, block_size=cfg.attn_block_size)
+        a, S_sum, z_sum = a + mix[l] * y, S_sum + S_l, z_sum + z_l
+    a = a.transpose(0, 2, 1, 3).reshape(B, C, H * dH)
     out = jnp.einsum("bcd,de->bce", a.astype(mm_dtype), p["w_out"].astype(mm_dtype)).astype(acc)
-    new_S = jax.lax.stop_gradient(sum(S_l[:, l] for l in range(Lv)) / Lv)
-    new_z = jax.lax.stop_gradient(sum(z_l[:, l] for l in range(Lv)) / Lv)
+    new_S = jax.lax.stop_gradient(S_sum / Lv)
+    new_z = jax.lax.stop_gradient(z_sum / Lv)
     return out + p["b_out"], new_S, new_z
 
 
@@ -253,7 +255,8 @@ def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, fea
     if cfg.remat:
         layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
     carry_in = (state["S"].astype(acc), state["z"].astype(acc), state["phase"].astype(acc))
-    h, (S, z, phase, (lb, keep, hits, gate_mean, idx)) = jax.lax.scan(layer, h, (params["blocks"], *carry_in))
+    h, (S, z, phase, (lb, keep, hits, gate_mean, idx)) = jax.lax.scan(
+        layer, h, (params["blocks"], *carry_in), unroll=cfg.scan_unroll)
     new_state = {"thought": jax.lax.stop_gradient(h[:, -1]), "S": S, "z": z, "phase": phase}
     aux = Aux(lb=lb.sum(), lb_per_layer=lb, keep_rate=keep, expert_hits=hits, gate_mean=gate_mean,
               expert_idx=idx)
