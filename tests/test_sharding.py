@@ -141,3 +141,19 @@ def test_two_processes_on_localhost_match_one(corpus_file, tmp_path):
     assert ckpt_lib.read_manifest(workdir)["step"] == 2
     worst = max(jax.tree.leaves(jax.tree.map(_rel, a, b)))
     assert worst <= 1e-4, worst   # gloo sums in another order than one process
+
+
+def test_plan_reports_the_sharded_step_memory(corpus_file):
+    from fractus_jax.plan import plan
+
+    one = plan(_cfg(corpus_file, 1, 1))
+    eight = plan(loop.resolve_for_mesh(_cfg(corpus_file, 2, 4)))
+    for r in (one, eight):
+        d = r["per_device"]
+        assert d["total_bytes"] == d["argument_bytes"] + d["output_bytes"] - d["alias_bytes"] + d["temp_bytes"]
+        assert d["argument_bytes"] > 0 and d["temp_bytes"] > 0
+        assert d["alias_bytes"] > 0          # the donated state is updated in place
+        assert r["flops_per_step"] > 0 and r["ids_per_step"] == 8 * 16
+    # fsdp=4 splits the parameters and moments: each device holds about a quarter.
+    assert eight["params_bytes_per_device"] < 0.4 * one["params_bytes_per_device"]
+    assert eight["opt_state_bytes_per_device"] < 0.4 * one["opt_state_bytes_per_device"]
