@@ -202,9 +202,8 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, mm_dtype):
     n_groups, T = B // rows, rows * C
     capacity = moe_k.expert_capacity(T, E, K, cfg.capacity_factor)
     factors = {k: (v.astype(mm_dtype) if k != "expert_phases" else v) for k, v in p.items()}
-    y, kept = jax.vmap(lambda x, i, ww: moe_k.moe_capacity(x, i, ww, factors, capacity))(
-        x_BxCxD.reshape(n_groups, T, D).astype(mm_dtype), idx.reshape(n_groups, T, K),
-        w.reshape(n_groups, T, K).astype(mm_dtype))
+    y, kept = moe_k.moe_capacity(x_BxCxD.reshape(n_groups, T, D).astype(mm_dtype), idx.reshape(n_groups, T, K),
+                                 w.reshape(n_groups, T, K).astype(mm_dtype), factors, capacity)
     hits = jnp.einsum("tk,tke->e", kept.reshape(-1, K).astype(jnp.float32),
                       jax.nn.one_hot(idx.reshape(-1, K), E, dtype=jnp.float32))
     stats = (moe_k.load_balance(g), kept.mean(dtype=jnp.float32), hits, g.reshape(-1, E).mean(0), idx)

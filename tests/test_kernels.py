@@ -182,3 +182,18 @@ def test_chunked_ce_equals_full_softmax():
         ga = jax.grad(lambda h, W: chunked_cross_entropy(h, W, t, chunk), argnums=(0, 1))(h, W)
         gb = jax.grad(full, argnums=(0, 1))(h, W)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14), ga, gb)
+
+
+def test_capacity_groups_are_independent():
+    x1, idx1, w1, f = _moe_setup(jax.random.PRNGKey(8), T=24)
+    x2, idx2, w2, _ = _moe_setup(jax.random.PRNGKey(9), T=24)
+    cap = 3
+    y, kept = M.moe_capacity(jnp.stack([x1, x2]), jnp.stack([idx1, idx2]), jnp.stack([w1, w2]), f, cap)
+    for g, (x, idx, w) in enumerate(((x1, idx1, w1), (x2, idx2, w2))):
+        y_g, kept_g = M.moe_capacity(x, idx, w, f, cap)
+        np.testing.assert_array_equal(np.asarray(kept[g]), np.asarray(kept_g))
+        np.testing.assert_allclose(y[g], y_g, rtol=1e-12, atol=1e-12)
+    # Counted per group: one group of all 48 tokens would keep a different set.
+    _, kept_one = M.moe_capacity(jnp.concatenate([x1, x2]), jnp.concatenate([idx1, idx2]),
+                                 jnp.concatenate([w1, w2]), f, cap)
+    assert not np.array_equal(np.asarray(kept_one), np.asarray(kept).reshape(48, -1))

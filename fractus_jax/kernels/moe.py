@@ -102,27 +102,47 @@ def expert_capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor) 
     return max(1, min(cap, n_tokens))
 
 
-def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int):
-    """Index dispatch into (E, capacity, D); returns (y (T, D), kept (T, K) bool)."""
+def _dispatch(idx_TxK, n_experts: int, capacity: int):
+    """Slots of one group's assignments: (slot_A, token_of_slot, kept_A), fill order first
+    choices of all tokens (token order) before second choices."""
     n_tokens, top_k = idx_TxK.shape
-    n_experts, d_model = f["b2"].shape
-    # Assignments in fill order: all first choices (token order), then all second choices.
     expert_A = idx_TxK.T.reshape(-1)                                   # (K·T,)
     token_A = jnp.tile(jnp.arange(n_tokens, dtype=jnp.int32), top_k)
     onehot_AxE = jax.nn.one_hot(expert_A, n_experts, dtype=jnp.int32)
     slot_in_expert_A = jnp.sum(jnp.cumsum(onehot_AxE, axis=0) * onehot_AxE, axis=-1) - 1
     kept_A = slot_in_expert_A < capacity
     n_slots = n_experts * capacity
-    # Dropped assignments all point at one extra dump slot, past the real ones.
+    # Dropped assignments all point at one extra dump slot, past the real ones; empty
+    # slots read token index T, a zero row past the real tokens.
     slot_A = jnp.where(kept_A, expert_A * capacity + slot_in_expert_A, n_slots)
     token_of_slot = jnp.full((n_slots + 1,), n_tokens, jnp.int32).at[slot_A].set(token_A)[:n_slots]
-    # Empty slots read a zero row past the real tokens.
-    x_pad = jnp.concatenate([x_TxD, jnp.zeros((1, d_model), x_TxD.dtype)], axis=0)
-    x_ExCxD = x_pad[token_of_slot].reshape(n_experts, capacity, d_model)
-    out = experts_apply(x_ExCxD, f).reshape(n_slots, d_model)
-    out_pad = jnp.concatenate([out, jnp.zeros((1, d_model), out.dtype)], axis=0)
-    out_KxTxD = out_pad[slot_A].reshape(top_k, n_tokens, d_model)
-    kept_KxT = kept_A.reshape(top_k, n_tokens)
-    weight_KxT = jnp.where(kept_KxT, w_TxK.T, 0.0).astype(out_KxTxD.dtype)
-    y = jnp.einsum("kt,ktd->td", weight_KxT, out_KxTxD)
-    return y, kept_KxT.T
+    return slot_A, token_of_slot, kept_A
+
+
+def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int):
+    """Index dispatch into (E, capacity, D); returns (y (T, D), kept (T, K) bool).
+
+    Also takes a leading group axis, (G, T, ·): capacity is counted per group, and all
+    groups' slots run through the experts as one (E, G·capacity, D) buffer, so the expert
+    einsums keep the expert axis leading (a vmap over groups would put the group axis in
+    front and cost a layout transpose per einsum in the backward).
+    """
+    if x_TxD.ndim == 2:
+        y, kept = moe_capacity(x_TxD[None], idx_TxK[None], w_TxK[None], f, capacity)
+        return y[0], kept[0]
+    n_groups, n_tokens, top_k = idx_TxK.shape
+    n_experts, d_model = f["b2"].shape
+    slot_A, token_of_slot, kept_A = jax.vmap(lambda i: _dispatch(i, n_experts, capacity))(idx_TxK)
+    x_pad = jnp.concatenate([x_TxD, jnp.zeros((n_groups, 1, d_model), x_TxD.dtype)], axis=1)
+    x_GxExCxD = jnp.take_along_axis(x_pad, token_of_slot[..., None], axis=1).reshape(
+        n_groups, n_experts, capacity, d_model)
+    x_ExNxD = x_GxExCxD.transpose(1, 0, 2, 3).reshape(n_experts, n_groups * capacity, d_model)
+    out = experts_apply(x_ExNxD, f).reshape(n_experts, n_groups, capacity, d_model)
+    out = out.transpose(1, 0, 2, 3).reshape(n_groups, n_experts * capacity, d_model)
+    out_pad = jnp.concatenate([out, jnp.zeros((n_groups, 1, d_model), out.dtype)], axis=1)
+    out_GxKTxD = jnp.take_along_axis(out_pad, slot_A[..., None], axis=1)
+    out_GxKxTxD = out_GxKTxD.reshape(n_groups, top_k, n_tokens, d_model)
+    kept_GxKxT = kept_A.reshape(n_groups, top_k, n_tokens)
+    weight = jnp.where(kept_GxKxT, w_TxK.transpose(0, 2, 1), 0.0).astype(out.dtype)
+    y = jnp.einsum("gkt,gktd->gtd", weight, out_GxKxTxD)
+    return y, kept_GxKxT.transpose(0, 2, 1)
