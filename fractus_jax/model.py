@@ -146,12 +146,14 @@ def _dtypes(params: Params, cfg: EngineConfig):
     return jnp.float32, jnp.dtype(cfg.compute_dtype)
 
 
+@jax.named_scope("layernorm")
 def layer_norm(x, p, eps):
     mu = x.mean(-1, keepdims=True)
     var = jnp.square(x - mu).mean(-1, keepdims=True)
     return (x - mu) * jax.lax.rsqrt(var + eps) * p["weight"] + p["bias"]
 
 
+@jax.named_scope("attention")
 def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, mm_dtype):
     B, C, D = x_BxCxD.shape
     H, dH, Lv = cfg.n_heads, cfg.d_head, cfg.n_levels
@@ -179,6 +181,7 @@ def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, mm_
     return out + p["b_out"], new_S, new_z
 
 
+@jax.named_scope("kuramoto")
 def _phases(p, y_BxCxD, cfg: EngineConfig):
     if cfg.is_atom:
         base = jnp.einsum("bcd,d->bc", y_BxCxD, p["phase_proj"]["weight"][0]) + p["phase_proj"]["bias"][0]
@@ -189,6 +192,7 @@ def _phases(p, y_BxCxD, cfg: EngineConfig):
                            n_steps=cfg.kuramoto_steps, dt=cfg.kuramoto_dt, damping=cfg.kuramoto_damping)
 
 
+@jax.named_scope("moe")
 def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, mm_dtype):
     B, C, D = x_BxCxD.shape
     E, K = cfg.n_experts, cfg.top_k
@@ -222,6 +226,7 @@ def block_forward(p, h_BxCxD, carry, reset_BxC, cfg: EngineConfig, mm_dtype):
     return h + m, (S, z, phase), stats
 
 
+@jax.named_scope("embed")
 def embed(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
     """observe[ids] + atom features at boundary ids + the thought at position 0; reset mask."""
     acc, _ = _dtypes(params, cfg)

@@ -28,3 +28,48 @@ def test_dispatcher_rejects_an_unknown_subcommand(capsys):
         main(["no-such-benchmark"])
     assert e.value.code != 0
     assert "attention" in capsys.readouterr().err
+
+
+def test_train_bench_reports_ids_per_s_and_mfu(capsys):
+    rc = main(["train", "--config", "tiny", "--steps", "2", "--warmup", "1", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["ids_per_s"] > 0 and r["flops_per_id"] > 0
+    assert r["achieved_flops_per_s"] == pytest.approx(r["ids_per_s"] * r["flops_per_id"])
+    # CPU devices share the host's cores: the peak is counted once per host.
+    assert r["peak_scope"] == "host" and r["peak_units"] == 1
+    assert r["peak_flops_per_s"] >= r["peak_median_flops_per_s"] > 0
+    assert r["mfu"] == pytest.approx(r["achieved_flops_per_s"] / r["peak_flops_per_s"])
+    assert 0 < r["mfu"] < 1
+
+
+def test_profile_classifies_op_sources():
+    from fractus_jax.bench.profile import classify
+    assert classify("jit(step)/transpose(jvp())/while/body/closed_call/moe/enf,efr->enr/dot_general") == (
+        "moe", "backward", "matmul")
+    assert classify("jit(step)/jvp()/closed_call/attention/jit(_where)/select_n") == (
+        "attention", "forward", "elementwise")
+    assert classify("jit(step)/transpose(jvp(loss))/while/body/closed_call/checkpoint/mul") == (
+        "loss", "backward", "elementwise")
+    # The innermost scope wins; a name merely containing a scope's letters does not count.
+    assert classify("jit(step)/jvp()/moe/layernorm/transpose")[0] == "layernorm"
+    assert classify("jit(step)/jvp()/moe_extra/add")[0] == "other"
+    assert classify("jit(step)/concatenate")[2] == "data movement"
+
+
+def test_profile_of_the_train_step_covers_every_component(capsys):
+    rc = main(["profile", "--config", "tiny", "--steps", "1", "--warmup", "1", "--json"])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    r = json.loads(lines[-1])
+    parts = r["components"]
+    for name in ("attention", "kuramoto", "moe", "layernorm", "loss", "optimizer"):
+        assert name in parts, name
+    for name in ("attention", "kuramoto", "moe", "layernorm", "loss"):
+        assert parts[name]["backward"] > 0, name      # the gradient ran through each
+    assert parts["optimizer"]["backward"] == 0
+    total = sum(v["forward"] + v["backward"] for v in parts.values())
+    assert total == pytest.approx(r["op_ms_per_step"], rel=1e-6)
+    assert sum(r["kinds"].values()) == pytest.approx(r["op_ms_per_step"], rel=1e-6)
+    assert r["threads_busy"] and all(0 < b <= 1.0 for b in r["threads_busy"])
+    assert any(line.startswith("attention") for line in lines[:-1])

@@ -253,3 +253,27 @@ def test_probes_at_init(corpus_file):
     hits = np.asarray(out["expert_hits"])
     assert hits.shape == (cfg.model.n_layers, cfg.model.n_experts)
     assert list((hits > 0).sum(-1)) == out["alive_experts"]
+
+
+def test_the_loop_lowers_the_step_once(corpus_file, tmp_path):
+    """No recompilation inside the loop: 6 steps with saves and logging lower the step once
+    (a shape, dtype or weak type drifting between steps would lower it again)."""
+    from jax._src import dispatch, monitoring
+
+    lowered = []
+
+    def listen(event, _duration, **kw):
+        if event == dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
+            lowered.append(kw.get("fun_name"))
+
+    # A sequence length no other test uses: this program is new to the process.
+    cfg = tiny(corpus_file, "seq_len=20", "max_steps=6", "save_every=2", "log_every=1")
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        last = train(cfg, tmp_path / "run")
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert last["step"] == 6
+    assert lowered.count("jit(step)") == 1, lowered
+    # Nor anything else the loop jits (state init, checkpoint staging): once each.
+    assert len(lowered) == len(set(lowered)), lowered

@@ -28,8 +28,9 @@ METRIC_NAMES = ("ce_tf", "lb", "grad_norm", "lr", "skipped", "keep_rate", "repea
 
 def _loss(params, carry, inputs_BxC, targets_BxC, feats, cfg: TrainConfig, ce_weight: float):
     h, aux, new_carry = model.forward_hidden(params, carry, inputs_BxC, cfg.model, feats)
-    ce, repeat = cross_entropy_terms(h, params["observe"], targets_BxC, cfg.ce_chunk,
-                                     repeat_ids_BxC=inputs_BxC)
+    with jax.named_scope("loss"):
+        ce, repeat = cross_entropy_terms(h, params["observe"], targets_BxC, cfg.ce_chunk,
+                                         repeat_ids_BxC=inputs_BxC)
     loss = ce_weight * ce + cfg.lb_coef * aux.lb
     if cfg.repeat_coef:
         loss = loss + cfg.repeat_coef * repeat
@@ -65,6 +66,7 @@ def accumulate(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg: TrainCo
                           "repeat_prob": rep.mean()}, h
 
 
+@jax.named_scope("optimizer")
 def _apply(tx, params, opt_state, grads, lr):
     grad_norm = optax.tree.norm(grads)
     updates, new_opt = tx.update(grads, opt_state, params)

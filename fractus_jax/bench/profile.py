@@ -1,0 +1,180 @@
+"""`python -m fractus_jax.bench profile --config NAME [--set k=v ...] [--steps N] [--json]`
+
+Where the trainer's step spends its time. The step (`bench train`'s: the trainer's jitted
+step, state donated) is compiled once, run a few times, then run `--steps` times under
+`jax.profiler.trace`; every XLA operation the trace shows is matched to its instruction in
+the compiled program, whose metadata names the JAX source of the operation. Op times are
+summed per step by:
+
+  component   the named scope the operation came from (model.py and train/step.py name
+              embed, attention, kuramoto, moe, layernorm, loss and optimizer); "other" is
+              what lies outside them (the residual adds, the gradient plumbing of the
+              layer loop, the metrics)
+  pass        forward, or backward (JAX's transpose of the forward)
+  kind        matmul (dot_general), data movement (transpose, copy, concatenate, pad,
+              slice, gather, scatter, dynamic-update-slice), elementwise (everything else:
+              fused arithmetic, reductions)
+
+and it reports how busy the host's threads were: op time per thread over the traced span.
+Sums are op times: two threads running at once count twice, so the total can exceed the
+wall time. With `--trace-dir` the raw trace is kept (TensorBoard's profile plugin or
+Perfetto read it). With --json the last line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import sys
+import tempfile
+
+COMPONENTS = ("embed", "attention", "kuramoto", "moe", "layernorm", "loss", "optimizer")
+_MOVEMENT = {"transpose", "copy", "concatenate", "pad", "slice", "dynamic_slice",
+             "dynamic_update_slice", "gather", "scatter", "reshape", "broadcast_in_dim",
+             "rev", "select_and_scatter_add"}
+_SCOPE = re.compile(r"(?:^|[/(])(" + "|".join(COMPONENTS) + r")(?=[/)]|$)")
+
+
+def classify(op_name: str) -> tuple[str, str, str]:
+    """(component, pass, kind) of an operation from its metadata op_name, e.g.
+    'jit(step)/transpose(jvp())/while/body/closed_call/moe/enf,efr->enr/dot_general'."""
+    scopes = _SCOPE.findall(op_name)
+    component = scopes[-1] if scopes else "other"   # the innermost scope
+    pass_ = "backward" if "transpose(" in op_name else "forward"
+    primitive = op_name.rsplit("/", 1)[-1]
+    kind = ("matmul" if primitive == "dot_general" else
+            "data movement" if primitive in _MOVEMENT else "elementwise")
+    return component, pass_, kind
+
+
+def instruction_sources(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> op_name metadata ('' where none) of a compiled HLO module."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ", line)
+        if m:
+            md = re.search(r'op_name="([^"]*)"', line)
+            out[m.group(1)] = md.group(1) if md else ""
+    return out
+
+
+def summarize(events: list[dict], sources: dict[str, str], n_steps: int, top: int = 15) -> dict:
+    """Per-step op times (ms) by component/pass/kind, thread use and the top operations,
+    from trace events (Chrome trace format: ph, name, ts, dur in µs, tid)."""
+    def instruction(e):
+        # CPU traces name the event by the instruction; GPU traces name the kernel and carry
+        # the instruction in args.hlo_op (not yet checked on a GPU).
+        name = e.get("name")
+        return name if name in sources else (e.get("args") or {}).get("hlo_op")
+
+    ops = []
+    for e in events:
+        if e.get("ph") == "X" and instruction(e) in sources:
+            ops.append({**e, "name": instruction(e)})
+    if not ops:
+        raise RuntimeError("the trace holds no operation of the compiled step")
+    per = lambda us: us / 1e3 / n_steps   # noqa: E731  µs over the run -> ms per step
+    by_component = collections.defaultdict(lambda: collections.Counter())
+    by_kind = collections.Counter()
+    by_op = collections.Counter()
+    threads = collections.Counter()
+    for e in ops:
+        component, pass_, kind = classify(sources[e["name"]])
+        by_component[component][pass_] += e["dur"]
+        by_kind[kind] += e["dur"]
+        by_op[e["name"]] += e["dur"]
+        threads[e["tid"]] += e["dur"]
+    span = max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)
+    total = sum(by_kind.values())
+    return {
+        "steps": n_steps,
+        "op_ms_per_step": per(total),
+        "span_ms_per_step": per(span),
+        "components": {c: {"forward": per(v["forward"]), "backward": per(v["backward"])}
+                       for c, v in sorted(by_component.items(), key=lambda kv: -sum(kv[1].values()))},
+        "kinds": {k: per(v) for k, v in by_kind.most_common()},
+        "threads_busy": sorted((v / span for v in threads.values() if v / span > 0.01), reverse=True),
+        "top_ops": [{"name": n, "ms": per(v), "source": sources[n]} for n, v in by_op.most_common(top)],
+    }
+
+
+def format_table(r: dict) -> str:
+    total = r["op_ms_per_step"]
+    lines = [f"op time {total:.1f} ms per step over a span of {r['span_ms_per_step']:.1f} ms "
+             f"({r['steps']} traced steps); threads busy "
+             + ", ".join(f"{100 * b:.0f}%" for b in r["threads_busy"]),
+             f"{'component':<12}{'forward ms':>12}{'backward ms':>13}{'share':>8}"]
+    for c, v in r["components"].items():
+        lines.append(f"{c:<12}{v['forward']:>12.1f}{v['backward']:>13.1f}"
+                     f"{100 * (v['forward'] + v['backward']) / total:>7.1f}%")
+    lines.append("by kind: " + ", ".join(f"{k} {v:.1f} ms ({100 * v / total:.0f}%)" for k, v in r["kinds"].items()))
+    lines.append("top operations (ms per step, source):")
+    for op in r["top_ops"]:
+        lines.append(f"  {op['ms']:7.2f}  {op['name'][:32]:<32} {op['source'][-80:]}")
+    return "\n".join(lines)
+
+
+def profile_step(cfg, steps: int = 3, warmup: int = 2, trace_dir: str | None = None, top: int = 15) -> dict:
+    """Trace `steps` runs of the compiled step after `warmup` runs; the summary dict."""
+    import jax
+
+    from fractus_jax.bench.train import build_step
+
+    step, state, batches = build_step(cfg, steps + warmup)
+    compiled = step.lower(state, batches[0]).compile()
+    sources = instruction_sources(compiled.as_text())
+    for b in batches[:warmup]:
+        state, metrics = compiled(state, b)
+    jax.block_until_ready(state)
+    trace_dir = trace_dir or tempfile.mkdtemp(prefix="fractus_profile_")
+    with jax.profiler.trace(trace_dir):
+        for b in batches[warmup:]:
+            state, metrics = compiled(state, b)
+            jax.block_until_ready(state)
+    files = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))
+    if not files:
+        raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    out = summarize(events, sources, steps, top)
+    if set(out["components"]) == {"other"}:
+        # Persistent compilation cache keys ignore metadata: an executable cached from the
+        # same program before its scopes were named carries none.
+        print("warning: the compiled step carries no named scopes; if JAX_COMPILATION_CACHE_DIR "
+              "is set, an executable cached by an older version was reused (clear the cache)",
+              file=sys.stderr)
+    out.update(trace=files[-1], backend=jax.default_backend(), devices=cfg.mesh.data * cfg.mesh.fsdp)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fractus_jax.bench profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="bench_small")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--steps", type=int, default=3, help="traced steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--top", type=int, default=15, help="operations listed")
+    p.add_argument("--trace-dir", default=None, help="keep the raw trace here")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    from fractus_jax.train import config as cfg_lib
+    from fractus_jax.train.loop import resolve_for_mesh
+
+    try:
+        cfg = resolve_for_mesh(cfg_lib.apply_overrides(cfg_lib.load_config(args.config), args.overrides))
+    except cfg_lib.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.steps < 1 or args.warmup < 0:
+        print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+    r = profile_step(cfg, args.steps, args.warmup, args.trace_dir, args.top)
+    print(f"{args.config} on {r['devices']} device(s), {r['backend']}")
+    print(format_table(r))
+    if args.json:
+        print(json.dumps(r))
+    return 0
