@@ -197,3 +197,35 @@ def test_capacity_groups_are_independent():
     _, kept_one = M.moe_capacity(jnp.concatenate([x1, x2]), jnp.concatenate([idx1, idx2]),
                                  jnp.concatenate([w1, w2]), f, cap)
     assert not np.array_equal(np.asarray(kept_one), np.asarray(kept).reshape(48, -1))
+
+
+def test_elu1_is_elu_plus_one_with_its_derivative_at_zero():
+    u = jnp.array([-30.0, -2.0, -1e-3, 0.0, 1e-3, 2.0], jnp.float64)
+    want = jnp.where(u > 0, u + 1.0, jnp.exp(u))          # ELU(α=1) + 1, as SPEC §3.1 defines it
+    np.testing.assert_allclose(A.elu1(u), want, rtol=1e-15)
+    d = jax.vmap(jax.grad(A.elu1))(u)
+    np.testing.assert_allclose(d, jnp.where(u > 0, 1.0, jnp.exp(u)), rtol=1e-15)
+    assert float(d[3]) == 1.0   # both one-sided derivatives are 1 at 0
+
+
+def test_layer_norm_backward_is_the_gradient_of_its_definition():
+    from fractus_jax.model import layer_norm
+
+    def definition(x, p, eps=1e-5):
+        mu = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mu).mean(-1, keepdims=True)
+        return (x - mu) / jnp.sqrt(var + eps) * p["weight"] + p["bias"]
+
+    ks = jax.random.split(jax.random.PRNGKey(3), 4)
+    x = 3.0 * jax.random.normal(ks[0], (2, 5, 24), jnp.float64) + 1.0
+    p = {"weight": jax.random.normal(ks[1], (24,), jnp.float64),
+         "bias": jax.random.normal(ks[2], (24,), jnp.float64)}
+    probe = jax.random.normal(ks[3], (2, 5, 24), jnp.float64)
+    ours = jax.grad(lambda x, p: jnp.sum(layer_norm(x, p, 1e-5) * probe), argnums=(0, 1))(x, p)
+    want = jax.grad(lambda x, p: jnp.sum(definition(x, p) * probe), argnums=(0, 1))(x, p)
+    np.testing.assert_allclose(layer_norm(x, p, 1e-5), definition(x, p), rtol=1e-12, atol=1e-12)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want)):
+        assert float(jnp.max(jnp.abs(b))) > 1e-3          # a real gradient to compare
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    check_grads(lambda x, w, b: layer_norm(x, {"weight": w, "bias": b}, 1e-5),
+                (x, p["weight"], p["bias"]), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)

