@@ -1,22 +1,42 @@
 #!/usr/bin/env bash
-# One GPU, under 8 minutes: install the CUDA extra, then write JSON results to $OUT:
-#   plan_bN.json     the atom_1b step's planned memory on this GPU at batch N
-#   train_bN.json    bench train atom_1b (bfloat16) at the largest batch whose plan fits
-#   attention.json   bench attention at the 1B shapes, batch 8
+# One GPU, under 8 minutes: write to $OUT (7 files: the device tool brings back 8 at most)
 #   env.json         versions and the device
-# Usage: OUT=/some/dir scripts/gpu_check.sh     (WHEELS=DIR installs offline from wheels)
+#   plans.jsonl      the step's planned memory on this device, one line per batch tried
+#   train.json       bench train (atom_1b: bfloat16, remat) at the largest batch whose plan fits
+#   profile.json     bench profile of that step: op time by component, pass and kind
+#   attention.json   bench attention at the 1B shapes
+#   log.txt, raw.tgz what ran, and every command's full output
+# Usage: OUT=/some/dir scripts/gpu_check.sh
+#   Where JAX already sees a GPU (the lent machines' image has jax with CUDA) nothing is
+#   installed: the package runs from this checkout. Elsewhere it installs ".[cuda]"
+#   (WHEELS=DIR: offline, from wheels). CONFIG, BATCHES, STEPS, ATTN_BATCH, ATTN_IMPLS
+#   change what runs (the tests run this script on a CPU with the tiny config).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
-mkdir -p "$OUT"
+CONFIG=${CONFIG:-atom_1b}
+BATCHES=${BATCHES:-"64 32 16"}
+STEPS=${STEPS:-10}
+ATTN_BATCH=${ATTN_BATCH:-8}
+ATTN_IMPLS=${ATTN_IMPLS:-}
+RAW="$OUT/raw"
+mkdir -p "$RAW"
+# The three compilations of the same step (plan, train, profile) share one cache.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/fractus_gpu_check_cache}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/log.txt"; }
 
-if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --find-links "$WHEELS" -e ".[cuda]" >>"$OUT/log.txt" 2>&1
+if python3 -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null \
+    || [ "${GPU_CHECK_INSTALL:-1}" = 0 ]; then
+  log "using the installed jax ($(python3 -c 'import jax; print(jax.__version__, jax.default_backend())' 2>&1))"
+elif [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --find-links "$WHEELS" -e ".[cuda]" >>"$OUT/log.txt" 2>&1 \
+    || log "install failed (see log.txt); trying with what is installed"
 else
-  python3 -m pip install -q -e ".[cuda]" >>"$OUT/log.txt" 2>&1
-fi || log "install failed (see log.txt); trying with what is installed"
+  python3 -m pip install -q -e ".[cuda]" >>"$OUT/log.txt" 2>&1 \
+    || log "install failed (see log.txt); trying with what is installed"
+fi
 
 python3 - >"$OUT/env.json" <<'PY'
 import json, jax, jaxlib
@@ -29,21 +49,30 @@ log "env: $(cat "$OUT/env.json")"
 last_json() { tail -n 1 "$1"; }
 limit=$(python3 -c "import json; print(json.load(open('$OUT/env.json'))['memory_bytes'] or 0)")
 best=""
-for batch in 64 32 16; do
-  timeout 100 python3 -m fractus_jax.plan --config atom_1b --devices 1 --json --set batch_size=$batch \
-      >"$OUT/plan_b$batch.txt" 2>&1 || continue
-  total=$(last_json "$OUT/plan_b$batch.txt" | python3 -c "import json,sys; print(json.load(sys.stdin)['per_device']['total_bytes'])")
-  last_json "$OUT/plan_b$batch.txt" >"$OUT/plan_b$batch.json"
+for batch in $BATCHES; do
+  timeout 100 python3 -m fractus_jax.plan --config "$CONFIG" --devices 1 --json --set batch_size=$batch \
+      >"$RAW/plan_b$batch.txt" 2>&1 || { log "plan at batch $batch failed: $(tail -n 2 "$RAW/plan_b$batch.txt")"; continue; }
+  last_json "$RAW/plan_b$batch.txt" >>"$OUT/plans.jsonl"
+  total=$(last_json "$RAW/plan_b$batch.txt" | python3 -c "import json, sys; print(json.load(sys.stdin)['per_device']['total_bytes'])")
   log "batch $batch plans $total bytes of $limit"
-  if [ "$limit" -gt 0 ] && [ "$total" -lt $((limit * 9 / 10)) ]; then best=$batch; break; fi
+  # A CPU reports no memory limit: the first batch that plans is taken.
+  if [ "$limit" -eq 0 ] || [ "$total" -lt $((limit * 9 / 10)) ]; then best=$batch; break; fi
 done
-best=${best:-16}
-log "bench train atom_1b at batch $best"
-timeout 200 python3 -m fractus_jax.bench train --config atom_1b --set batch_size=$best --steps 10 --json \
-  >"$OUT/train_b$best.txt" 2>&1 && last_json "$OUT/train_b$best.txt" >"$OUT/train_b$best.json"
-log "train: $(tail -n 4 "$OUT/train_b$best.txt" | head -n 3 | tr '\n' ' ')"
+best=${best:-${BATCHES##* }}
+log "bench train $CONFIG at batch $best"
+timeout 200 python3 -m fractus_jax.bench train --config "$CONFIG" --set batch_size=$best --steps "$STEPS" --json \
+  >"$RAW/train_b$best.txt" 2>&1 && last_json "$RAW/train_b$best.txt" >"$OUT/train.json"
+log "train: $(tail -n 4 "$RAW/train_b$best.txt" | head -n 3 | tr '\n' ' ')"
 
-timeout 60 python3 -m fractus_jax.bench attention --batch 8 --json >"$OUT/attention.txt" 2>&1 \
-  && last_json "$OUT/attention.txt" >"$OUT/attention.json"
-log "attention: $(last_json "$OUT/attention.txt")"
+timeout 150 python3 -m fractus_jax.bench profile --config "$CONFIG" --set batch_size=$best --steps 2 --json \
+  >"$RAW/profile_b$best.txt" 2>&1 && last_json "$RAW/profile_b$best.txt" >"$OUT/profile.json"
+log "profile: $(grep -m 1 '^op time' "$RAW/profile_b$best.txt")"
+
+impl_flags=""
+for impl in $ATTN_IMPLS; do impl_flags="$impl_flags --impl $impl"; done
+# shellcheck disable=SC2086  # one flag per word
+timeout 90 python3 -m fractus_jax.bench attention --batch "$ATTN_BATCH" $impl_flags --json >"$RAW/attention.txt" 2>&1 \
+  && last_json "$RAW/attention.txt" >"$OUT/attention.json"
+log "attention: $(last_json "$RAW/attention.txt")"
+tar -czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$RAW"
 ls -la "$OUT" | tee -a "$OUT/log.txt"

@@ -1,5 +1,6 @@
-"""scripts/: the metrics plot."""
+"""scripts/: the metrics plot and the GPU check."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,26 @@ def test_plot_metrics_draws_a_png_and_names_bad_input(tmp_path):
     assert out.returncode != 0 and "metrics.jsonl:2" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run([sys.executable, script, str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "error:" in out.stderr
+
+
+def test_gpu_check_runs_end_to_end_on_a_cpu_with_the_tiny_config(tmp_path):
+    """The GPU script has never had a GPU: its wiring (plan → batch → train → profile →
+    attention, the files it brings back) is checked here so the first GPU minutes count."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "CONFIG": "tiny", "BATCHES": "8 4", "STEPS": "2",
+           "ATTN_BATCH": "1", "ATTN_IMPLS": "chunkwise", "GPU_CHECK_INSTALL": "0",
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "XLA_FLAGS": ""}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["attention.json", "env.json", "log.txt", "plans.jsonl", "profile.json",
+                     "raw.tgz", "train.json"], files
+    assert len(files) <= 8          # the device tool brings back 8 files at most
+    plans = [json.loads(line) for line in (out / "plans.jsonl").read_text().splitlines()]
+    assert len(plans) == 1 and plans[0]["per_device"]["total_bytes"] > 0   # CPU: the first batch is taken
+    train = json.loads((out / "train.json").read_text())
+    assert train["ids_per_s"] > 0 and train["ids_per_step"] == 8 * 16
+    profile = json.loads((out / "profile.json").read_text())
+    assert "attention" in profile["components"]
+    assert json.loads((out / "attention.json").read_text())["ms"]["chunkwise"] > 0
