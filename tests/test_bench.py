@@ -21,6 +21,11 @@ def test_attention_bench_reports_json(capsys):
     losses = result["loss"]
     assert losses["chunkwise"] == pytest.approx(losses["position_scan"], rel=1e-4)
     assert any("chunkwise" in line for line in lines[:-1])   # the readable table came first
+    # XLA's FLOP count only for the loop-free kernel: a scan's body would be counted once.
+    assert set(result["gflop"]) == {"chunkwise"} and result["gflop"]["chunkwise"] > 0
+    assert result["flops_per_s"]["chunkwise"] == pytest.approx(
+        1e9 * result["gflop"]["chunkwise"] / (result["ms"]["chunkwise"] / 1e3))
+    assert result["peak_flops_per_s"] > 0
 
 
 def test_dispatcher_rejects_an_unknown_subcommand(capsys):

@@ -118,9 +118,20 @@ def time_jax_impl(impl: str, inputs: dict, repeats: int, warmup: int = 1):
 
     names = ("q", "k", "v", "S0", "z0", "reset", "offsets", "probe")
     args = [jnp.asarray(inputs[n]) for n in names]
-    step = jax.jit(_jax_step(impl))
-    (value, _), _ = step(*args)        # compiles; the loss cross-checks the implementations
-    return timing.time_jax(step, *args, repeats=repeats, warmup=warmup, jit=False), float(value)
+    step = jax.jit(_jax_step(impl)).lower(*args).compile()
+    (value, _), _ = step(*args)        # the loss cross-checks the implementations
+    ms = timing.time_jax(step, *args, repeats=repeats, warmup=warmup, jit=False)
+    return ms, float(value), _executed_flops(impl, step)
+
+
+def _executed_flops(impl: str, compiled):
+    """XLA's count of the compiled program's FLOPs, for the loop-free (chunkwise) programs:
+    XLA counts a loop's body once, so a scan's count would mean nothing."""
+    if JAX_IMPLS[impl][0] is None:
+        return None
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"]) if cost and cost.get("flops") else None
 
 
 # ----------------------------------------------------------------------------- PyTorch
@@ -155,7 +166,7 @@ def time_torch_impl(impl: str, inputs: dict, repeats: int, warmup: int = 1):
         return loss.detach(), carry
 
     ms = timing.time_torch(step, repeats=repeats, warmup=warmup)
-    return ms, float(step()[0])
+    return ms, float(step()[0]), None
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -185,17 +196,24 @@ def run(batch: int, impls: Sequence[str] = DEFAULT_IMPLS, repeats: int = 10, war
         torch.set_num_threads(cores)
         torch_threads = torch.get_num_threads()
     inputs = make_inputs(batch, seed)
-    ms, losses, skipped = {}, {}, []
+    ms, losses, flops, skipped = {}, {}, {}, []
     for impl in impls:
         if impl in TORCH_IMPLS and not have_torch:
             skipped.append(impl)
             log(f"  {impl}: skipped (torch is not installed)")
             continue
         timer = time_torch_impl if impl in TORCH_IMPLS else time_jax_impl
-        ms[impl], losses[impl] = timer(impl, inputs, repeats, warmup)
+        ms[impl], losses[impl], f = timer(impl, inputs, repeats, warmup)
+        if f:
+            flops[impl] = f
         log(f"  {impl}: {ms[impl]:.2f} ms")
     base = ms.get(BASELINE)
+    from fractus_jax.bench.train import measure_peak
+    peak = measure_peak(jax.default_backend())["peak"] if flops else None
     return {
+        "gflop": {i: f / 1e9 for i, f in flops.items()},
+        "flops_per_s": {i: f / (ms[i] / 1e3) for i, f in flops.items()},
+        "peak_flops_per_s": peak,
         "ms": ms,
         "default": DEFAULT,
         "batch": batch,
@@ -221,12 +239,19 @@ def format_table(result: dict) -> str:
     lines = [(f"linear attention fwd+bwd with carry: B={result['batch']} (G={s['G']} head-levels), "
               f"C={s['C']}, dH={s['dH']}, {s['dtype']}; median of {result['repeats']} runs"),
              f"device {result['device']}: JAX on {result['jax_cores']} cores, {torch_note}",
-             f"{'impl':<16}{'ms':>12}{'x vs torch_einsum':>20}{'loss':>16}"]
+             f"{'impl':<16}{'ms':>12}{'x vs torch_einsum':>20}{'GFLOP':>8}{'% of peak':>11}{'loss':>16}"]
+    peak = result["peak_flops_per_s"]
     for impl, ms in result["ms"].items():
         sp = result["speedup_vs_torch_einsum"].get(impl)
+        gflop = result["gflop"].get(impl)
+        share = (f"{100 * result['flops_per_s'][impl] / peak:.0f}%" if gflop and peak else "-")
         tag = " (default)" if impl == result["default"] else ""
         lines.append(f"{impl:<16}{ms:>12.2f}{(f'{sp:.1f}' if sp else '-'):>20}"
+                     f"{(f'{gflop:.2f}' if gflop else '-'):>8}{share:>11}"
                      f"{result['loss'][impl]:>16.6g}{tag}")
+    if peak:
+        lines.append(f"GFLOP: XLA's count of the compiled program (loop-free programs only); "
+                     f"peak: the best 2048x2048 matmul, {peak / 1e9:.0f} GFLOP/s")
     for impl in result["skipped"]:
         lines.append(f"{impl:<16}{'skipped (torch not installed)':>32}")
     return "\n".join(lines)
