@@ -78,3 +78,23 @@ def test_profile_of_the_train_step_covers_every_component(capsys):
     assert sum(r["kinds"].values()) == pytest.approx(r["op_ms_per_step"], rel=1e-6)
     assert r["threads_busy"] and all(0 < b <= 1.0 for b in r["threads_busy"])
     assert any(line.startswith("attention") for line in lines[:-1])
+
+
+def test_profile_counts_a_loop_body_once_not_its_loop_too():
+    from fractus_jax.bench.profile import summarize
+    sources = {"while.1": "jit(step)/jvp()/while", "fusion.2": "jit(step)/jvp()/attention/mul",
+               "dot.3": "jit(step)/transpose(jvp())/moe/dot_general"}
+    events = [  # the loop spans its two body operations on thread 7; another op on thread 8
+        {"ph": "X", "name": "while.1", "ts": 0, "dur": 100, "pid": 1, "tid": 7},
+        {"ph": "X", "name": "fusion.2", "ts": 10, "dur": 30, "pid": 1, "tid": 7},
+        {"ph": "X", "name": "fusion.2", "ts": 50, "dur": 40, "pid": 1, "tid": 7},
+        {"ph": "X", "name": "dot.3", "ts": 20, "dur": 60, "pid": 1, "tid": 8},
+        {"ph": "X", "name": "not-an-instruction", "ts": 0, "dur": 500, "pid": 1, "tid": 7},
+    ]
+    r = summarize(events, sources, n_steps=1)
+    assert r["op_ms_per_step"] == pytest.approx(0.130)       # 30 + 40 + 60 µs
+    assert r["components"]["attention"]["forward"] == pytest.approx(0.070)
+    assert r["components"]["moe"]["backward"] == pytest.approx(0.060)
+    assert "other" not in r["components"]                    # the loop itself is not counted
+    assert r["span_ms_per_step"] == pytest.approx(0.080)     # from 10 to 90 µs
+    assert sorted(r["threads_busy"]) == pytest.approx([0.75, 70 / 80])

@@ -62,6 +62,26 @@ def instruction_sources(hlo_text: str) -> dict[str, str]:
     return out
 
 
+def _leaves(ops: list[dict]) -> list[dict]:
+    """Drop the events that contain others on their thread: control flow (a while loop,
+    a conditional, a call) spans its body's operations, which are counted themselves."""
+    containers = set()
+    by_thread = collections.defaultdict(list)
+    for i, e in enumerate(ops):
+        by_thread[(e.get("pid"), e.get("tid"))].append(i)
+    for idx in by_thread.values():
+        idx.sort(key=lambda i: (ops[i]["ts"], -ops[i]["dur"]))
+        open_ = []                       # indices of events still open, outermost first
+        for i in idx:
+            start = ops[i]["ts"]
+            while open_ and ops[open_[-1]]["ts"] + ops[open_[-1]]["dur"] <= start:
+                open_.pop()
+            if open_:
+                containers.add(open_[-1])
+            open_.append(i)
+    return [e for i, e in enumerate(ops) if i not in containers]
+
+
 def summarize(events: list[dict], sources: dict[str, str], n_steps: int, top: int = 15) -> dict:
     """Per-step op times (ms) by component/pass/kind, thread use and the top operations,
     from trace events (Chrome trace format: ph, name, ts, dur in µs, tid)."""
@@ -75,6 +95,7 @@ def summarize(events: list[dict], sources: dict[str, str], n_steps: int, top: in
     for e in events:
         if e.get("ph") == "X" and instruction(e) in sources:
             ops.append({**e, "name": instruction(e)})
+    ops = _leaves(ops)
     if not ops:
         raise RuntimeError("the trace holds no operation of the compiled step")
 
