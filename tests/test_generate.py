@@ -19,7 +19,7 @@ PHRASE = "Fox,jumps over dog.\n"
 TEXT = PHRASE * 3
 PREFIX = TEXT[: len(PHRASE) + 5]       # one phrase and "Fox,j"
 WIN = 80                               # >= the whole stream: every window starts at BOS
-TRAIN_STEPS = 300
+TRAIN_STEPS = 450                      # Adam at 1e-2 still spikes near 300; settled by 400
 
 
 def _check_output(ids, conf, n_valid, max_new, vocab=CFG.vocab_size):
@@ -145,16 +145,21 @@ def trained():
     def loss_fn(p):
         logits, lb, _ = model.forward_chunk(p, model.init_state(CFG, 1), x, CFG)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        return ce + 0.02 * lb, ce
+        return ce + 0.02 * lb, (ce, logits)
 
     @jax.jit
     def step(p, o):
-        (_, ce), g = jax.value_and_grad(loss_fn, has_aux=True)(p)
+        (_, (ce, logits)), g = jax.value_and_grad(loss_fn, has_aux=True)(p)
         u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, ce
+        return optax.apply_updates(p, u), o, ce, logits
 
     for _ in range(TRAIN_STEPS):
-        params, opt, ce = step(params, opt)
+        params, opt, _, _ = step(params, opt)
+    _, (ce, logits) = jax.jit(loss_fn)(params)
+    # Greedy window decoding from BOS sees what the teacher-forced pass saw: it can say the
+    # phrase only if every teacher-forced argmax is the target (a low mean CE is not enough).
+    wrong = np.nonzero(np.asarray(logits.argmax(-1))[0] != stream[1:])[0]
+    assert wrong.size == 0, f"not memorised after {TRAIN_STEPS} steps: wrong at {wrong.tolist()}"
     return params, stream, float(ce)
 
 
@@ -165,7 +170,7 @@ def _speech_args(stream):
 
 def test_speech_path_reproduces_the_phrase(trained):
     params, stream, ce = trained
-    assert ce < 0.05
+    assert ce < 0.01
     args, rest = _speech_args(stream)
     # the untrained engine does not say it (the check can fail) ...
     fresh = gen.generate(model.init_params(CFG, jax.random.PRNGKey(0)), CFG, PREFIX, **args)[0]
