@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU, under 8 minutes: write to $OUT (7 files: the device tool brings back 8 at most)
+# One GPU, under 8 minutes (BUDGET_S, default 450 s, caps every step): write to $OUT (7 files: the device tool brings back 8 at most)
 #   env.json         versions and the device
 #   plans.jsonl      the step's planned memory on this device, one line per batch tried
 #   train.json       bench train (atom_1b: bfloat16, remat) at the largest batch whose plan fits
@@ -26,6 +26,10 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/fractus_gpu_c
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/log.txt"; }
+# Every step's timeout is cut to what is left of BUDGET_S, so the whole script ends in time
+# (a lent GPU has 15 minutes for everything, machine start included).
+end_at=$((SECONDS + ${BUDGET_S:-450}))
+limit_s() { local left=$((end_at - SECONDS)); echo $(( left < $1 ? (left > 0 ? left : 1) : $1 )); }
 
 if python3 -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null \
     || [ "${GPU_CHECK_INSTALL:-1}" = 0 ]; then
@@ -50,7 +54,7 @@ last_json() { tail -n 1 "$1"; }
 limit=$(python3 -c "import json; print(json.load(open('$OUT/env.json'))['memory_bytes'] or 0)")
 best=""
 for batch in $BATCHES; do
-  timeout 100 python3 -m fractus_jax.plan --config "$CONFIG" --devices 1 --json --set batch_size=$batch \
+  timeout "$(limit_s 100)" python3 -m fractus_jax.plan --config "$CONFIG" --devices 1 --json --set batch_size=$batch \
       >"$RAW/plan_b$batch.txt" 2>&1 || { log "plan at batch $batch failed: $(tail -n 2 "$RAW/plan_b$batch.txt")"; continue; }
   last_json "$RAW/plan_b$batch.txt" >>"$OUT/plans.jsonl"
   total=$(last_json "$RAW/plan_b$batch.txt" | python3 -c "import json, sys; print(json.load(sys.stdin)['per_device']['total_bytes'])")
@@ -60,18 +64,18 @@ for batch in $BATCHES; do
 done
 best=${best:-${BATCHES##* }}
 log "bench train $CONFIG at batch $best"
-timeout 200 python3 -m fractus_jax.bench train --config "$CONFIG" --set batch_size=$best --steps "$STEPS" --json \
+timeout "$(limit_s 200)" python3 -m fractus_jax.bench train --config "$CONFIG" --set batch_size=$best --steps "$STEPS" --json \
   >"$RAW/train_b$best.txt" 2>&1 && last_json "$RAW/train_b$best.txt" >"$OUT/train.json"
 log "train: $(tail -n 4 "$RAW/train_b$best.txt" | head -n 3 | tr '\n' ' ')"
 
-timeout 150 python3 -m fractus_jax.bench profile --config "$CONFIG" --set batch_size=$best --steps 2 --json \
+timeout "$(limit_s 150)" python3 -m fractus_jax.bench profile --config "$CONFIG" --set batch_size=$best --steps 2 --json \
   >"$RAW/profile_b$best.txt" 2>&1 && last_json "$RAW/profile_b$best.txt" >"$OUT/profile.json"
 log "profile: $(grep -m 1 '^op time' "$RAW/profile_b$best.txt")"
 
 impl_flags=""
 for impl in $ATTN_IMPLS; do impl_flags="$impl_flags --impl $impl"; done
 # shellcheck disable=SC2086  # one flag per word
-timeout 90 python3 -m fractus_jax.bench attention --batch "$ATTN_BATCH" $impl_flags --json >"$RAW/attention.txt" 2>&1 \
+timeout "$(limit_s 90)" python3 -m fractus_jax.bench attention --batch "$ATTN_BATCH" $impl_flags --json >"$RAW/attention.txt" 2>&1 \
   && last_json "$RAW/attention.txt" >"$OUT/attention.json"
 log "attention: $(last_json "$RAW/attention.txt")"
 tar -czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$RAW"
