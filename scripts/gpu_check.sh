@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
 CONFIG=${CONFIG:-atom_1b}
-BATCHES=${BATCHES:-"64 32 16"}
+BATCHES=${BATCHES:-"256 128 64 32 16"}
 STEPS=${STEPS:-10}
 ATTN_BATCH=${ATTN_BATCH:-8}
 ATTN_IMPLS=${ATTN_IMPLS:-}
