@@ -22,7 +22,6 @@ Perfetto read it). With --json the last line is one JSON object.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
@@ -131,11 +130,11 @@ def summarize(events: list[dict], sources: dict[str, str], n_steps: int, top: in
 
 def format_table(r: dict) -> str:
     total = r["op_ms_per_step"]
-    lines = [f"op time {total:.1f} ms per step over a span of {r['span_ms_per_step']:.1f} ms "
-             f"({r['steps']} traced steps); threads busy "
-             + ", ".join(f"{100 * b:.0f}%" for b in r["threads_busy"]),
-             f"{'component':<12}{'forward ms':>12}{'backward ms':>13}{'share':>8}"
-             f"{'matmul':>9}{'movement':>10}{'elementw.':>11}"]
+    busy = ", ".join(f"{100 * b:.0f}%" for b in r["threads_busy"])
+    lines = [(f"op time {total:.1f} ms per step over a span of {r['span_ms_per_step']:.1f} ms "
+              f"({r['steps']} traced steps); threads busy {busy}"),
+             (f"{'component':<12}{'forward ms':>12}{'backward ms':>13}{'share':>8}"
+              f"{'matmul':>9}{'movement':>10}{'elementw.':>11}")]
     for c, v in r["components"].items():
         lines.append(f"{c:<12}{v['forward']:>12.1f}{v['backward']:>13.1f}"
                      f"{100 * (v['forward'] + v['backward']) / total:>7.1f}%"
@@ -181,27 +180,13 @@ def profile_step(cfg, steps: int = 3, warmup: int = 2, trace_dir: str | None = N
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fractus_jax.bench profile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="bench_small")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--steps", type=int, default=3, help="traced steps")
-    p.add_argument("--warmup", type=int, default=2)
+    from fractus_jax.bench.train import step_config, step_parser
+
+    p = step_parser("python -m fractus_jax.bench profile", __doc__, 3, "traced steps")
     p.add_argument("--top", type=int, default=15, help="operations listed")
     p.add_argument("--trace-dir", default=None, help="keep the raw trace here")
-    p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    from fractus_jax.train import config as cfg_lib
-    from fractus_jax.train.loop import resolve_for_mesh
-
-    try:
-        cfg = resolve_for_mesh(cfg_lib.apply_overrides(cfg_lib.load_config(args.config), args.overrides))
-    except cfg_lib.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.steps < 1 or args.warmup < 0:
-        print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return 2
+    cfg = step_config(args)
     r = profile_step(cfg, args.steps, args.warmup, args.trace_dir, args.top)
     print(f"{args.config} on {r['devices']} device(s), {r['backend']}")
     print(format_table(r))

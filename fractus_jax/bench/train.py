@@ -151,27 +151,38 @@ def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fractus_jax.bench train", description=__doc__,
+def step_parser(prog: str, doc: str, steps: int, steps_help: str) -> argparse.ArgumentParser:
+    """The options shared by the benchmarks of the train step (train, profile)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="bench_small")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--steps", type=int, default=10, help="timed steps (median)")
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--torch", action="store_true", help="also time the PyTorch reference step")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def step_config(args):
+    """The resolved config of `step_parser`'s arguments; a user's mistake exits 2, no traceback."""
     from fractus_jax.train import config as cfg_lib
     from fractus_jax.train.loop import resolve_for_mesh
 
+    if args.steps < 1 or args.warmup < 0:
+        print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
+        raise SystemExit(2)
     try:
-        cfg = resolve_for_mesh(cfg_lib.apply_overrides(cfg_lib.load_config(args.config), args.overrides))
+        return resolve_for_mesh(cfg_lib.apply_overrides(cfg_lib.load_config(args.config), args.overrides))
     except cfg_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.steps < 1:
-        print("error: --steps must be >= 1", file=sys.stderr)
-        return 2
+        raise SystemExit(2) from None
+
+
+def main(argv=None) -> int:
+    p = step_parser("python -m fractus_jax.bench train", __doc__, 10, "timed steps (median)")
+    p.add_argument("--torch", action="store_true", help="also time the PyTorch reference step")
+    args = p.parse_args(argv)
+    cfg = step_config(args)
     r = run(cfg, args.steps, args.warmup, args.torch)
     print(f"{args.config} on {r['devices']} x {r['device_kind']} ({r['backend']}, {r['cores']} cores): "
           f"{r['ms_per_step']:.1f} ms/step, {r['ids_per_s']:.0f} ids/s (compile {r['compile_s']:.1f} s)")

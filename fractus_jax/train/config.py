@@ -117,7 +117,7 @@ def load_config(name: str) -> TrainConfig:
     """NAME → configs/NAME.py (or NAME as a path) → its get_config()."""
     path = Path(name)
     if not (path.suffix == ".py" and path.exists()):
-        candidates = [Path.cwd() / "configs" / f"{name}.py", CONFIG_DIR / f"{name}.py"]
+        candidates = list(dict.fromkeys([Path.cwd() / "configs" / f"{name}.py", CONFIG_DIR / f"{name}.py"]))
         path = next((p for p in candidates if p.exists()), None)
         if path is None:
             known = sorted(p.stem for p in CONFIG_DIR.glob("*.py")) if CONFIG_DIR.exists() else []
