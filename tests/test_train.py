@@ -240,7 +240,9 @@ def test_probes_at_init(corpus_file):
     from fractus_jax.atom.corpus import open_corpus
     from fractus_jax.train.probes import SPEECH_STEPS, Prober
 
-    cfg = tiny(corpus_file)
+    # Trained on 2 devices: 8 rows per MoE dispatch group, which 4 probe rows are not a multiple of.
+    cfg = loop.resolve_for_mesh(tiny(corpus_file, "batch_size=16", "mesh.data=2"))
+    assert cfg.model.moe_group_rows == 8
     prober = Prober(cfg, open_corpus(corpus_file))
     state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(0))
     out = prober.run(state["params"], initial=True)

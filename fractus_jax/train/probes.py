@@ -68,9 +68,11 @@ def _ar_eval(params, rows, cfg):
 
 class Prober:
     def __init__(self, cfg: TrainConfig, corpus):
-        self.cfg = cfg.model
+        # The probes run their own few rows on one device: the training batch's per-device
+        # dispatch groups (moe_group_rows, set by resolve_for_mesh) need not divide them.
+        self.cfg = cfg.model.replace(moe_group_rows=0)
         # Decoding feeds chunks of a few tokens: capacity would drop their assignments.
-        self.decode_cfg = cfg.model.replace(capacity_factor=None)
+        self.decode_cfg = self.cfg.replace(capacity_factor=None)
         self.rows = jnp.asarray(_probe_rows(corpus, PROBE_ROWS, max(PROBE_LEN, WARM + FREE)))
         self._tf = jax.jit(_teacher_forced, static_argnums=2)
         self._ar = jax.jit(_ar_eval, static_argnums=2)
