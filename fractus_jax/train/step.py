@@ -40,28 +40,30 @@ def _loss(params, carry, inputs_BxC, targets_BxC, feats, cfg: TrainConfig, ce_we
 def accumulate(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg: TrainConfig, ce_weight=1.0):
     """Gradients averaged over consecutive chunks, the carry flowing through them.
 
-    The first chunk seeds the gradient sum, the others are scanned: with accum = 1 there
-    is no loop and no zero-filled gradient tree to add to.
+    One chunk (accum = 1) runs without a loop; several run as one scan from a zero gradient
+    sum (0 + g is exact, so the sum is the same as seeding it with the first chunk's).
     """
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
     n = inputs_AxBxC.shape[0]
-    first = jax.tree.map(lambda a: a[0], feats_A)
 
     def chunk(carry, inputs, targets, feats):
         (_, (ce, lb, keep, rep, carry, h)), g = grad_fn(params, carry, inputs, targets, feats, cfg, ce_weight)
         return carry, g, (ce, lb, keep, rep, h)
 
-    carry, gsum, out0 = chunk(carry, inputs_AxBxC[0], targets_AxBxC[0], first)
+    if n == 1:
+        first = jax.tree.map(lambda a: a[0], feats_A)
+        carry, grads, out = chunk(carry, inputs_AxBxC[0], targets_AxBxC[0], first)
+        ce, lb, keep, rep, h = (a[None] for a in out)
+    else:
+        def micro(acc, xs):
+            carry, gsum = acc
+            carry, g, out = chunk(carry, *xs)
+            return (carry, jax.tree.map(jnp.add, gsum, g)), out
 
-    def micro(acc, xs):
-        carry, gsum = acc
-        carry, g, out = chunk(carry, *xs)
-        return (carry, jax.tree.map(jnp.add, gsum, g)), out
-
-    rest = jax.tree.map(lambda a: a[1:], (inputs_AxBxC, targets_AxBxC, feats_A))
-    (carry, gsum), outs = jax.lax.scan(micro, (carry, gsum), rest)
-    ce, lb, keep, rep, h = (jnp.concatenate([a[None], b]) for a, b in zip(out0, outs))
-    grads = jax.tree.map(lambda g: g / n, gsum) if n > 1 else gsum
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (carry, gsum), (ce, lb, keep, rep, h) = jax.lax.scan(
+            micro, (carry, zeros), (inputs_AxBxC, targets_AxBxC, feats_A))
+        grads = jax.tree.map(lambda g: g / n, gsum)
     return carry, grads, {"ce": ce.mean(), "lb": lb.mean(), "keep_rate": keep.mean(),
                           "repeat_prob": rep.mean()}, h
 
