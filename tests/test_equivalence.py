@@ -97,8 +97,9 @@ def _run_both(cfg, dtype_name, seed=0):
 
 
 def _assert_close(a, b, tol, what):
-    err = np.max(np.abs(a - b) / (1.0 + np.abs(b)))
+    err = float(np.max(np.abs(a - b) / (1.0 + np.abs(b))))
     assert err <= tol, f"{what}: max relative error {err:.3e} > {tol:.1e}"
+    return err
 
 
 def _assert_not_trivial(out):
@@ -117,26 +118,30 @@ def test_float64_forward_state_and_gradients_match(variant):
     with jax.enable_x64(True):
         out = _run_both(cfg, "float64")
     _assert_not_trivial(out)
+    worst = dict.fromkeys(("logits", "state", "phases", "gradients"), 0.0)
     for c, chunk in enumerate(out):
-        _assert_close(*chunk["logits"], 1e-9, f"chunk {c} logits")
+        worst["logits"] = max(worst["logits"], _assert_close(*chunk["logits"], 1e-9, f"chunk {c} logits"))
         assert chunk["lb"][0] == pytest.approx(chunk["lb"][1], rel=1e-9, abs=1e-12)
         state_j, state_t = chunk["state"]
         for k, v in state_j.items():
             if k.endswith("kuramoto_phases"):   # on the circle: 0 and 2π are the same phase
                 d = np.angle(np.exp(1j * (v - state_t[k])))
                 assert np.abs(d).max() < 1e-9, k
+                worst["phases"] = max(worst["phases"], float(np.abs(d).max()))
             else:
-                _assert_close(v, state_t[k], 1e-9, f"chunk {c} state {k}")
+                worst["state"] = max(worst["state"], _assert_close(v, state_t[k], 1e-9, f"chunk {c} state {k}"))
         grads_j, grads_t = chunk["grads"]
         assert set(grads_t) <= set(grads_j)
         zero = set()
         for name, g_t in grads_t.items():
-            _assert_close(grads_j[name], g_t, 1e-9, f"chunk {c} grad {name}")
+            worst["gradients"] = max(worst["gradients"], _assert_close(grads_j[name], g_t, 1e-9, f"chunk {c} grad {name}"))
             if np.abs(g_t).max() == 0:
                 zero.add(name)
         # Every gradient is exercised but the two heads' (the loss uses neither).
         assert zero == {f"{h}.{w}" for h in ("confidence_head", "salience_head") for w in ("weight", "bias")}
         np.testing.assert_array_equal(*chunk["routes"])
+    print(f"{variant} float64, largest |jax − torch| / (1 + |torch|) over 3 chunks: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 
 
 @pytest.mark.parametrize("variant", ["atom", "parent"])

@@ -211,7 +211,7 @@ def test_decode_core_stops_rows_at_eos_independently(trained):
     params, stream, _ = trained
     args, rest = _speech_args(stream)
     _, batch = gen.encode_prompts([PREFIX, "Fox,ju"])
-    # the arguments generate() passes (a jit cache hit after the batch test)
+    # the arguments generate() passes, through decode_ids' own jit (compiled apart from generate's AOT path)
     ids, conf, n_valid = jax.device_get(dec.decode_ids(params, CFG, jnp.asarray(batch), **args, temperature=None,
                                                        top_k=0, key=jax.random.PRNGKey(0)))
     _check_output(ids, conf, n_valid, args["max_new"])

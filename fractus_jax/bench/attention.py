@@ -11,13 +11,15 @@ attention does around the kernel, forward and backward:
     → loss, ∂loss/∂(q, k, v), and the level-mean carry (S, z)
 
 Implementations:
-  chunkwise        the engine's kernel, `linear_attention`, at the default block size (64)
+  chunkwise        the engine's kernel, `linear_attention`, at the default block size (64),
+                   the levels' slices stacked into one call (model._attention calls it once
+                   per level: the same kernel on the same rows, docs/engine.md)
   chunkwise_b32    the same at block size 32
   chunkwise_b128   the same at block size 128 (one block per chunk)
-  chunkwise_bcast  chunkwise with the levels laid out as model._attention lays them out today
-                   (broadcast over a level axis, mean over it); the others stack one slice
-                   per level. Same numbers; on XLA:CPU the backward's reduction over the
-                   2-long level axis is far slower than adding two slices (docs/engine.md)
+  chunkwise_bcast  chunkwise with the levels as the engine's first layout had them
+                   (broadcast over a level axis, mean over it). Same numbers; on XLA:CPU the
+                   backward's reduction over the 2-long level axis is far slower than adding
+                   two slices (docs/engine.md)
   position_scan    `linear_attention_reference`, a lax.scan over positions
   torch_einsum     the PyTorch parent kind of kernel (`reference.functional.einsum_attention`,
                    a (C, dH, dH) cumulative state per head), backward by autograd
