@@ -230,8 +230,15 @@ def test_features_aligned_bounded_deterministic():
     assert np.array_equal(f, atom.atom_features(rows.copy()))
     kind = f[isb][:, features.F_KIND:features.F_KIND + 7].argmax(1)
     assert (kind == rows[isb] - 259).all()
-    # rows are independent
-    assert np.array_equal(f[1], atom.atom_features(rows[1]))
+    # rows are independent: row 1 starts mid-document (no BOS to reset the
+    # context), so only the row split keeps row 0's packets out of its features
+    r = np.stack([rows[0], atom.encode("x = f(a1, b2)  # OK\n" * 4)[1:61]])
+    r2 = r.copy()
+    r2[0] = atom.encode("Something else entirely; 42 TIMES.\n" * 3)[1:61]
+    f1, f2 = atom.atom_features(r), atom.atom_features(r2)
+    assert not np.array_equal(f1[0], f2[0])  # row 0's change shows in row 0...
+    assert np.array_equal(f1[1], f2[1])  # ...and not in row 1
+    assert np.array_equal(f1[1], atom.atom_features(r[1]))
 
 
 def test_features_context_and_document_reset():

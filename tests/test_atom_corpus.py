@@ -114,6 +114,19 @@ def test_validate_names_file_offset_and_value(tmp_path):
     with pytest.raises(CorpusError, match="PAD"):
         open_corpus(pad).validate()
     open_corpus(pad).validate(allow_pad=True)
+    # another vocab: only the range is checked (PAD is an ordinary id there)
+    open_corpus(pad).validate(vocab=300)
+    with pytest.raises(CorpusError, match=r"id 300 at offset 13 is outside 0-299"):
+        c.validate(chunk=4, vocab=300)
+    with pytest.raises(CorpusError, match=r"id 257 at offset 0 is outside 0-99"):
+        open_corpus(pad).validate(vocab=100)
+    # histogram counts PAD and validates the range in the same pass
+    assert open_corpus(pad).histogram(chunk=3)[[97, 256, 257, 258]].tolist() == [1, 1, 1, 1]
+    with pytest.raises(CorpusError, match=r"bad\.u16: id 300 at offset 13 is outside the Atom"):
+        c.histogram(chunk=4)
+    big = tmp_path / "big.npy"  # a dtype np.bincount cannot take as is
+    np.save(big, np.array([257, 97, 265, 258], np.uint64))
+    assert open_corpus(big).histogram()[[97, 257, 258, 265]].tolist() == [1, 1, 1, 1]
 
 
 def test_reader_refusals(tmp_path):
@@ -161,7 +174,7 @@ def test_build_is_incremental(tmp_path):
     assert open_corpus(out).ids.tolist() == after + atom.encode("new file\n").tolist()
 
 
-def test_build_failure_leaves_old_corpus(tmp_path, monkeypatch):
+def test_build_failure_leaves_old_corpus(tmp_path):
     make_sources(tmp_path)
     out = tmp_path / "c.u16"
     build_corpus([tmp_path / "docs" / "a.txt"], out, progress=False, log=quiet)

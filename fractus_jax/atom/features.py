@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from fractus_jax.atom.ids import BOS, BOUNDARY_FIRST, BOUNDARY_LAST, MAX_SPAN, N_BOUNDARIES, PAD
+from fractus_jax.atom.stream import CLASS  # first-byte class (the SPEC's five)
 
 FEAT_DIM = 320
 SKETCH = 128  # hashed byte unigram + bigram buckets
@@ -43,8 +44,6 @@ _BCLASS[0x41:0x5B] = 4
 _BCLASS[0x61:0x7B] = 5
 _BCLASS[0xC0:] = 6
 _BCLASS[0x80:0xC0] = 7
-# First-byte class (the SPEC's five): newline, whitespace, punct, digit, letter.
-_FIRST = np.array([0, 1, 2, 3, 4, 4, 4, 4], np.int64)[_BCLASS]
 
 
 def _hash(x: np.ndarray, salt: int) -> np.ndarray:
@@ -93,14 +92,12 @@ def packet_features(ids) -> tuple:
     sk /= np.maximum(np.sqrt((sk * sk).sum(1, keepdims=True)), 1.0)
     fb = np.full(nq, -1, np.int64)  # first byte of each packet
     fb[bi[first]] = b[first]
-    upper = np.bincount(bi, weights=_BCLASS[b] == 4, minlength=nq)
-    lower = np.bincount(bi, weights=_BCLASS[b] == 5, minlength=nq)
-    high = np.bincount(bi, weights=b >= 0x80, minlength=nq)
     # Keep the packets (boundary breaks); documents start at BOS.
     doc = np.cumsum(x[q] == BOS)[isb]
     kind = x[q][isb] - BOUNDARY_FIRST
     length, cls, sk, fb = length[isb], cls[isb], sk[isb], fb[isb]
-    upper, lower, high = upper[isb], lower[isb], high[isb]
+    upper, lower = cls[:, 4], cls[:, 5]  # ASCII upper / lower case bytes
+    high = cls[:, 6] + cls[:, 7]  # bytes >= 0x80
     n = kind.size
     k = np.arange(n)
     doc_first = np.searchsorted(doc, doc)  # index of the document's first packet
@@ -124,7 +121,7 @@ def packet_features(ids) -> tuple:
         out[:, F_POSITION + 2 * i] = np.sin(ang)
         out[:, F_POSITION + 2 * i + 1] = np.cos(ang)
     has = fb >= 0
-    out[k[has], F_FLAGS + _FIRST[fb[has]]] = 1.0
+    out[k[has], F_FLAGS + CLASS[fb[has]].astype(np.int64)] = 1.0
     out[:, F_FLAGS + 5] = has & (_BCLASS[np.maximum(fb, 0)] == 4)
     out[:, F_FLAGS + 6] = (upper >= 2) & (lower == 0)
     out[:, F_FLAGS + 7] = high > 0

@@ -8,7 +8,6 @@ checked against it: a corpus whose size disagrees with its index is refused.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -119,29 +118,50 @@ class Corpus:
         for off in range(0, self.n_ids, chunk):
             yield off, np.asarray(self.ids[off:off + chunk], np.int64)
 
-    def validate(self, chunk: int = DEFAULT_CHUNK, allow_pad: bool = False) -> None:
-        """Check every id is in 0-265 (and, unless ``allow_pad``, none is PAD, which
-        never appears in a stream), streaming ``chunk`` ids at a time. Raises
-        CorpusError naming the file, the first offending offset and its value."""
+    def _check(self, off: int, c: np.ndarray, vocab: int, allow_pad: bool) -> None:
+        """Raise CorpusError at the first id of chunk ``c`` (at ``off``) outside
+        0..vocab-1, or, for the Atom vocab without ``allow_pad``, equal to PAD."""
+        refuse_pad = vocab == VOCAB and not allow_pad
+        if c.size == 0:
+            return
+        lo, hi = c.min(), c.max()  # native dtype: no widening copy
+        if lo >= 0 and hi < vocab and not (refuse_pad and lo <= PAD <= hi and (c == PAD).any()):
+            return
+        bad = (c >= vocab) if c.dtype.kind == "u" else (c < 0) | (c >= vocab)
+        if refuse_pad:
+            bad |= c == PAD
+        i = int(np.argmax(bad))
+        v = int(c[i])
+        if vocab != VOCAB:
+            what = f"outside 0-{vocab - 1}"
+        elif v == PAD:
+            what = "PAD (256), which never appears in a stream"
+        else:
+            what = f"outside the Atom alphabet 0-{VOCAB - 1}"
+        raise CorpusError(f"{self.path}: id {v} at offset {off + i} is {what}")
+
+    def validate(self, chunk: int = DEFAULT_CHUNK, allow_pad: bool = False,
+                 vocab: int = VOCAB) -> None:
+        """Check every id is in 0..vocab-1 (default the Atom alphabet 0-265),
+        streaming ``chunk`` ids at a time. For the Atom vocab, unless
+        ``allow_pad``, PAD is refused too (it never appears in a stream); for any
+        other vocab only the range is checked. Raises CorpusError naming the
+        file, the first offending offset and its value."""
         if chunk <= 0:
             raise ValueError("chunk must be positive")
         for off in range(0, self.n_ids, chunk):
-            c = np.asarray(self.ids[off:off + chunk])  # native dtype: no widening copy
-            bad = (c >= VOCAB) if c.dtype.kind == "u" else (c < 0) | (c >= VOCAB)
-            if not allow_pad:
-                bad |= c == PAD
-            if bad.any():
-                i = int(np.argmax(bad))
-                v = int(c[i])
-                what = ("PAD (256), which never appears in a stream" if v == PAD
-                        else f"outside the Atom alphabet 0-{VOCAB - 1}")
-                raise CorpusError(f"{self.path}: id {v} at offset {off + i} is {what}")
+            self._check(off, np.asarray(self.ids[off:off + chunk]), vocab, allow_pad)
 
     def histogram(self, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
-        """Count of every id 0-265 (validating on the way)."""
+        """Count of every id 0-265, validating on the way (one pass, native dtype)."""
+        if chunk <= 0:
+            raise ValueError("chunk must be positive")
         counts = np.zeros(VOCAB, np.int64)
-        self.validate(chunk, allow_pad=True)
-        for _, c in self.chunks(chunk):
+        for off in range(0, self.n_ids, chunk):
+            c = np.asarray(self.ids[off:off + chunk])
+            self._check(off, c, VOCAB, allow_pad=True)
+            if not np.can_cast(c.dtype, np.intp):  # e.g. a uint64 .npy (values checked above)
+                c = c.astype(np.intp)
             counts += np.bincount(c, minlength=VOCAB)
         return counts
 
@@ -167,7 +187,3 @@ def open_corpus(path) -> Corpus:
     except OSError as e:
         raise CorpusError(f"{path}: {e.strerror or e}") from None
 
-
-def file_identity(path) -> dict:
-    st = os.stat(path)
-    return {"size": int(st.st_size), "mtime": float(st.st_mtime)}

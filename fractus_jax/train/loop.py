@@ -82,21 +82,10 @@ def open_training_corpus(cfg: TrainConfig, progress: bool = True):
         path = corpus_lib.build_default_corpus(cache_dir(), progress=progress)
     try:
         corpus = corpus_lib.open_corpus(path)
-        corpus.validate() if cfg.model.vocab_size == 266 else None
+        corpus.validate(vocab=cfg.model.vocab_size)
     except corpus_lib.CorpusError as e:
         raise TrainError(str(e)) from None
-    if cfg.model.vocab_size != 266:
-        _validate_range(corpus, cfg.model.vocab_size)
     return corpus
-
-
-def _validate_range(corpus, vocab: int, chunk: int = 1 << 22):
-    for start in range(0, corpus.n_ids, chunk):
-        part = np.asarray(corpus.ids[start:start + chunk])
-        bad = np.nonzero((part < 0) | (part >= vocab))[0]
-        if bad.size:
-            off = start + int(bad[0])
-            raise TrainError(f"{corpus.path}: id {int(part[bad[0]])} at offset {off} is outside 0-{vocab - 1}")
 
 
 def resolve_for_mesh(cfg: TrainConfig) -> TrainConfig:
