@@ -47,7 +47,7 @@ def trained(corpus_file, tmp_path_factory):
 def source(trained):
     """(cfg, state, ids of the next chunk): the trained run as the trainer would continue it."""
     cfg, run_dir = trained
-    step, meta = grow_run.read_meta(run_dir, None)
+    step, meta, _ = ckpt_lib.read_step(run_dir)
     state = jax.device_get(grow_run.load_state(run_dir, step, cfg))
     ids, where = grow_run.probe_chunk(cfg, meta, cfg.batch_size)
     assert where.startswith("next batch") and ids.shape == (cfg.batch_size, cfg.seq_len)
@@ -379,10 +379,22 @@ def test_a_grown_run_resumes_from_its_original_command_line(corpus_file, grown, 
         loop.prepare(bad, work, progress=False)
 
 
-def test_the_trainer_grows_in_place_at_grow_at(corpus_file, tmp_path):
+IN_PLACE = ["max_steps=4", "save_every=100", "grow_at=2", "grow.add_layers=1", "grow.siren_rank=12"]
+
+
+@pytest.fixture(scope="module")
+def grown_in_place(corpus_file, tmp_path_factory):
+    """A run the trainer grew in place at step 2 (+1 layer, rank 8 -> 12) and trained to step 4:
+    it holds step 2 at the old shape and step 4 at the grown one. Tests that train on copy it."""
+    work = tmp_path_factory.mktemp("in_place") / "run"
+    loop.run(loop.prepare(tiny(corpus_file, *IN_PLACE), work, progress=False), progress=False, log=lambda m: None)
+    return work
+
+
+def test_the_trainer_grows_in_place_at_grow_at(corpus_file, grown_in_place, tmp_path):
     work = tmp_path / "run"
-    line = ["max_steps=4", "save_every=100", "grow_at=2", "grow.add_layers=1", "grow.siren_rank=12"]
-    loop.run(loop.prepare(tiny(corpus_file, *line), work, progress=False), progress=False, log=lambda m: None)
+    shutil.copytree(grown_in_place, work)
+    line = list(IN_PLACE)
     manifest = ckpt_lib.read_manifest(work)
     assert manifest["step"] == 4 and manifest["start_token_next"] == 4 * 16   # no lost offset
     (record,) = manifest["growth"]
@@ -401,3 +413,23 @@ def test_the_trainer_grows_in_place_at_grow_at(corpus_file, tmp_path):
     manifest = ckpt_lib.read_manifest(work)
     assert manifest["step"] == 5 and len(manifest["growth"]) == 1
     assert manifest["config"]["model"]["n_layers"] == 3
+
+
+def test_a_step_saved_before_an_in_place_growth_exports_and_loads_at_its_own_shape(grown_in_place, tmp_path):
+    """The manifest describes the grown step; an older step is read in the shapes of its own config."""
+    torch = pytest.importorskip("torch")
+    from fractus_jax.convert.__main__ import main as convert_cli
+
+    work = grown_in_place
+    for ckpt, name, want in ((work / "checkpoints" / "2", "pre.pt", (2, 2, 8)), (work, "post.pt", (4, 3, 12))):
+        assert convert_cli(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / name)]) == 0
+        blob = torch.load(tmp_path / name, weights_only=True)
+        step, n_layers, rank = want
+        assert (blob["step"], blob["config"]["n_layers"], blob["config"]["siren_rank"]) == want
+        sd = blob["model_state"]
+        assert f"blocks.{n_layers - 1}.moe.U1" in sd and f"blocks.{n_layers}.moe.U1" not in sd
+        assert sd["blocks.0.moe.U1"].shape[-1] == rank
+        params, engine = ckpt_lib.load_for_inference(work, step=step)
+        assert (engine.n_layers, engine.siren_rank) == (n_layers, rank)
+        assert np.asarray(params["blocks"]["moe"]["U1"]).shape[::3] == (n_layers, rank)
+        np.testing.assert_array_equal(sd["observe.weight"].numpy(), np.asarray(params["observe"]))

@@ -37,30 +37,14 @@ class Snapshot:
     meta: dict
 
 
-def resolve_checkpoint(ckpt) -> tuple[Path, Optional[int]]:
-    """A run directory (its latest step) or DIR/checkpoints/<step> → (run dir, step or None)."""
-    try:
-        return ckpt_lib.resolve_checkpoint(ckpt)
-    except ckpt_lib.CheckpointError as e:
-        raise ConversionError(str(e)) from None
-
-
 def load_run(ckpt, with_opt: bool) -> Snapshot:
-    run_dir, step = resolve_checkpoint(ckpt)
-    manifest = ckpt_lib.read_manifest(run_dir)
-    cfg = TrainConfig.from_dict(manifest["config"])
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                            state_lib.abstract_train_state(cfg))
+    """One checkpoint, restored in the shapes of the config saved with that step (a run grown
+    in place holds steps of two shapes; its manifest describes only the latest)."""
+    run_dir, step = ckpt_lib.resolve_checkpoint(ckpt)
+    step, _, cfg = ckpt_lib.read_step(run_dir, step)
     items = ("params", "opt_state", "extra") if with_opt else ("params", "extra")
-    ck = ckpt_lib.RunCheckpointer(run_dir, read_only=True)
-    try:
-        state, meta = ck.restore(abstract, step, items=items)
-    finally:
-        ck.close()
+    state, meta = ckpt_lib.restore_one_device(run_dir, step, cfg, items=items)
     state = jax.device_get(state)
-    if "config" in meta:
-        cfg = TrainConfig.from_dict(meta["config"])
     return Snapshot(cfg, state["params"], state.get("opt_state"), state["carry"], int(state["step"]),
                     int(state["skipped"]), meta)
 

@@ -37,14 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fractus_jax import model, sharding
-from fractus_jax.config import EngineConfig
+from fractus_jax.config import WEIGHT_FIELDS, EngineConfig
 from fractus_jax.kernels import moe as moe_k
 from fractus_jax.train.config import MeshConfig, TrainConfig
 
+# Of the fields that decide the weights' shapes (WEIGHT_FIELDS, as the trainer's resume check) only these may change.
 GROWABLE = ("n_layers", "n_experts", "siren_rank")
-# Fields that decide the weights' shapes (as the trainer's resume check); only GROWABLE may change.
-SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_head", "n_levels", "n_oscillators",
-                "coupling_rank", "n_experts", "top_k", "expert_d_ff", "siren_rank", "variant", "atom_feat_dim")
 FACTORS = ("U1", "V1", "U2", "V2")
 
 
@@ -94,7 +92,7 @@ def check_growth(old: EngineConfig, new: EngineConfig, mesh: MeshConfig = MeshCo
     shrunk = [f"{k} {getattr(old, k)} -> {getattr(new, k)}" for k in GROWABLE if getattr(new, k) < getattr(old, k)]
     if shrunk:
         raise GrowthError(f"growth cannot shrink: {', '.join(shrunk)}")
-    other = [f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}" for k in SHAPE_FIELDS
+    other = [f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}" for k in WEIGHT_FIELDS
              if k not in GROWABLE and getattr(new, k) != getattr(old, k)]
     if other:
         raise GrowthError(f"only n_layers, n_experts and siren_rank can grow; this changes {', '.join(other)}")

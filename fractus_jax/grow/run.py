@@ -14,12 +14,10 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from fractus_jax import grow as grow_lib
 from fractus_jax.grow import GrowthError, GrowthSpec
 from fractus_jax.train import checkpoint as ckpt_lib
-from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import ConfigError, TrainConfig, apply_overrides
 
 Log = Callable[[str], None]
@@ -27,38 +25,9 @@ HITS_SOURCES = ("auto", "probe", "metrics", "none")
 METRICS = "metrics.jsonl"
 
 
-def resolve_checkpoint(ckpt) -> tuple[Path, Optional[int]]:
-    """A run directory (its latest step) or DIR/checkpoints/<step> → (run dir, step or None)."""
-    try:
-        return ckpt_lib.resolve_checkpoint(ckpt)
-    except ckpt_lib.CheckpointError as e:
-        raise GrowthError(str(e)) from None
-
-
-def read_meta(run_dir: Path, step: Optional[int]) -> tuple[int, dict]:
-    """(step, the meta saved with that step): its config is the one its arrays have."""
-    ck = ckpt_lib.RunCheckpointer(run_dir, read_only=True)
-    try:
-        step = ck.latest_step() if step is None else step
-        if step is None or step not in ck.manager.all_steps():
-            raise GrowthError(f"{run_dir} has no checkpoint at step {step} (steps: {sorted(ck.manager.all_steps())})")
-        meta = ck.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    finally:
-        ck.close()
-    return step, dict(meta)
-
-
 def load_state(run_dir: Path, step: int, cfg: TrainConfig):
-    """The whole train state of one step, on one device."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                            state_lib.abstract_train_state(cfg))
-    ck = ckpt_lib.RunCheckpointer(run_dir, read_only=True)
-    try:
-        state, _ = ck.restore(abstract, step)
-    finally:
-        ck.close()
-    return state
+    """The whole train state of one step, on one device, in the shapes of cfg (that step's config)."""
+    return ckpt_lib.restore_one_device(run_dir, step, cfg)[0]
 
 
 def _check_out(out: Path) -> None:
@@ -133,13 +102,10 @@ def grow_run(ckpt, out, growth: GrowthSpec, overrides: Sequence[str] = (), hits:
         raise GrowthError(f"--hits must be one of {', '.join(HITS_SOURCES)}, got {hits!r}")
     out = Path(out)
     _check_out(out)
-    run_dir, step = resolve_checkpoint(ckpt)
+    run_dir, step = ckpt_lib.resolve_checkpoint(ckpt)
     if out.resolve() == run_dir.resolve():
         raise GrowthError("--out must be a new directory, not the run itself")
-    step, meta = read_meta(run_dir, step)
-    if "config" not in meta:   # older checkpoints: the manifest's config
-        meta["config"] = ckpt_lib.read_manifest(run_dir)["config"]
-    cfg = TrainConfig.from_dict(meta["config"])
+    step, meta, cfg = ckpt_lib.read_step(run_dir, step)   # the config its arrays have
     new_cfg = target_from(cfg, growth, overrides)
     spec = GrowthSpec.between(cfg.model, new_cfg.model)
     ids, probe_source = probe_chunk(cfg, meta, probe_rows, corpus, log)

@@ -111,14 +111,25 @@ class RunCheckpointer:
                             time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
             write_json_atomic(self.workdir / MANIFEST, manifest)
 
-    def restore(self, abstract_state, step: Optional[int] = None, items=("params", "opt_state", "extra")):
-        """Restore into the shapes/dtypes/shardings of `abstract_state` (ShapeDtypeStructs)."""
+    def _existing_step(self, step: Optional[int]) -> int:
+        """step, or the latest one when None; refused when the directory does not hold it."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"{self.workdir} holds no checkpoint")
         if step not in self.manager.all_steps():
             raise CheckpointError(f"{self.workdir} has no checkpoint at step {step} "
                                   f"(steps: {sorted(self.manager.all_steps())})")
+        return step
+
+    def read_meta(self, step: Optional[int] = None) -> tuple[int, dict]:
+        """(step, the meta saved with it), without reading any array; the latest step when None."""
+        step = self._existing_step(step)
+        restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return step, dict(restored["meta"])
+
+    def restore(self, abstract_state, step: Optional[int] = None, items=("params", "opt_state", "extra")):
+        """Restore into the shapes/dtypes/shardings of `abstract_state` (ShapeDtypeStructs)."""
+        step = self._existing_step(step)
         extra_abstract = {k: abstract_state[k] for k in ("carry", "step", "skipped")}
         wanted = {"params": abstract_state["params"], "opt_state": abstract_state["opt_state"],
                   "extra": extra_abstract}
@@ -153,22 +164,51 @@ def abstract_with_shardings(abstract, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
-def load_for_inference(run_dir, step: Optional[int] = None):
-    """(params, EngineConfig) of a run directory's latest (or given) checkpoint, on one device."""
+def read_step(run_dir, step: Optional[int] = None) -> tuple[int, dict, TrainConfig]:
+    """(step, the meta saved with it, its TrainConfig); the latest step when step is None.
+
+    The config is the one saved with that step, i.e. the shapes its arrays have: a run grown
+    in place (`grow_at`) holds steps of two shapes, and its manifest describes only the
+    latest. Checkpoints whose meta holds no config take the manifest's (set into meta too).
+    """
+    ck = RunCheckpointer(run_dir, read_only=True)
+    try:
+        step, meta = ck.read_meta(step)
+    finally:
+        ck.close()
+    if "config" not in meta:
+        manifest = read_manifest(run_dir)
+        if manifest is None or "config" not in manifest:
+            raise CheckpointError(f"{run_dir}: step {step} records no config and there is no manifest with one")
+        meta["config"] = manifest["config"]
+    return step, meta, TrainConfig.from_dict(meta["config"])
+
+
+def one_device_abstract(cfg: TrainConfig):
+    """The abstract train state of cfg (ShapeDtypeStructs) on the first device."""
     from fractus_jax.train import state as train_state
 
-    manifest = read_manifest(run_dir)
-    if manifest is None:
-        raise CheckpointError(f"{run_dir} is not a run directory (no {MANIFEST})")
-    cfg = TrainConfig.from_dict(manifest["config"])
-    abstract = train_state.abstract_train_state(cfg)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                        train_state.abstract_train_state(cfg))
+
+
+def restore_one_device(run_dir, step: int, cfg: TrainConfig, items=("params", "opt_state", "extra")):
+    """(state, meta) of one step on the first device, in the shapes of cfg (that step's config:
+    `read_step`)."""
     ckpt = RunCheckpointer(run_dir, read_only=True)
     try:
-        state, _ = ckpt.restore(abstract, step, items=("params",))
+        return ckpt.restore(one_device_abstract(cfg), step, items=items)
     finally:
         ckpt.close()
+
+
+def load_for_inference(run_dir, step: Optional[int] = None):
+    """(params, EngineConfig) of a run directory's latest (or given) checkpoint, on one device."""
+    if read_manifest(run_dir) is None:
+        raise CheckpointError(f"{run_dir} is not a run directory (no {MANIFEST})")
+    step, _, cfg = read_step(run_dir, step)
+    state, _ = restore_one_device(run_dir, step, cfg, items=("params",))
     return state["params"], cfg.model
 
 
