@@ -173,14 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _fail(f"checkpoint directory not found: {args.ckpt}")
     if any(p == "" for p in args.prompt):
         _fail("empty prompt (--prompt needs some text)")
-    if args.max_new < 1:
-        _fail(f"--max-new must be >= 1, got {args.max_new}")
-    if args.window < 1:
-        _fail(f"--window must be >= 1, got {args.window}")
-    if not args.temperature >= 0.0:
-        _fail(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        _fail(f"--top-k must be >= 0, got {args.top_k}")
+    # The decode arguments are checked once, by generate (check_decode_args): top_k's bound
+    # is the loaded engine's vocab.
     try:
         params, cfg = load_run(args.ckpt, args.step)
         results = generate(params, cfg, args.prompt, max_new=args.max_new, mode=args.mode,

@@ -255,15 +255,18 @@ def test_cli_json_with_load_for_inference_patched(trained, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("argv_extra, message", [
     (["--prompt", ""], "empty prompt"),
-    (["--prompt", "a", "--max-new", "0"], "--max-new"),
-    (["--prompt", "a", "--mode", "window", "--window", "0"], "--window"),
-    (["--prompt", "a", "--temperature", "-1"], "--temperature"),
+    (["--prompt", "a", "--max-new", "0"], "max_new must be >= 1, got 0"),
+    (["--prompt", "a", "--mode", "window", "--window", "0"], "window must be >= 1, got 0"),
+    (["--prompt", "a", "--temperature", "-1"], "temperature must be >= 0 (0 or None: greedy), got -1.0"),
+    (["--prompt", "a", "--top-k", str(CFG.vocab_size + 1)], f"got {CFG.vocab_size + 1}"),
 ])
-def test_cli_user_mistakes_exit_nonzero_without_traceback(tmp_path, capsys, argv_extra, message):
+def test_cli_user_mistakes_exit_nonzero_without_traceback(tmp_path, monkeypatch, capsys, argv_extra, message):
+    _fake_checkpoint_module(monkeypatch, None, CFG, [])    # the decode arguments are checked against the engine
     with pytest.raises(SystemExit) as e:
         gen.main(["--ckpt", str(tmp_path)] + argv_extra)
     err = capsys.readouterr().err
-    assert e.value.code != 0 and err.startswith("error:") and message in err and "Traceback" not in err
+    assert e.value.code != 0 and err.startswith("error:") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_cli_missing_dir_bad_checkpoint_and_wrong_engine(tmp_path, monkeypatch, capsys):

@@ -179,11 +179,32 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(corpus_file, tmp_path):
     assert (workdir / "checkpoints" / str(manifest["step"])).is_dir()
 
 
-def test_deadline_saves_and_stops_before_it(corpus_file, tmp_path):
-    cfg = tiny(corpus_file, "max_steps=1000", "save_every=1000", f"deadline={time.time() + 5}")
-    last = train(cfg, tmp_path / "run")
-    manifest = ckpt_lib.read_manifest(tmp_path / "run")
-    assert manifest["step"] == last["step"] < 1000
+def _deadline_run(cfg, workdir):
+    logs = []
+    last = loop.run(loop.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
+    manifest = ckpt_lib.read_manifest(workdir)
+    assert manifest["step"] == last["step"] and "(deadline near)" in logs[-1], logs
+    state, meta = restore(workdir, cfg)
+    assert int(state["step"]) == meta["step"] == last["step"]
+    assert meta["start_token_next"] == last["step"] * cfg.seq_len
+    return last["step"], (workdir / "manifest.json").stat().st_mtime
+
+
+def test_deadline_saves_and_stops_before_it(corpus_file, tmp_path, monkeypatch):
+    # A deadline already past: the step in flight is saved. (It also compiles the step into
+    # the persistent cache, so that the timed run below starts in seconds.)
+    step, _ = _deadline_run(tiny(corpus_file, "max_steps=2", f"deadline={time.time()}"), tmp_path / "past")
+    assert step == 1
+
+    # The 30 s guess of a first save would stop a run seconds from its deadline at step 1;
+    # the saves every 10 steps replace it with measured times, as in a long run.
+    monkeypatch.setattr(ckpt_lib, "COMMIT_GUESS_SECONDS", 0.5)
+    deadline = time.time() + 8
+    cfg = tiny(corpus_file, "max_steps=2000", "save_every=10", f"deadline={deadline}")
+    step, committed = _deadline_run(cfg, tmp_path / "run")
+    # The last save committed before the deadline, but not long before it: the stop came from
+    # the margin (two steps and a save), after many measured saves.
+    assert deadline - 3 < committed < deadline and step > 30, (step, deadline - committed)
 
 
 def test_embedded_default_corpus_is_built_once_and_trains(tmp_path, monkeypatch):

@@ -122,7 +122,7 @@ def time_jax_impl(impl: str, inputs: dict, repeats: int, warmup: int = 1):
     args = [jnp.asarray(inputs[n]) for n in names]
     step = jax.jit(_jax_step(impl)).lower(*args).compile()
     (value, _), _ = step(*args)        # the loss cross-checks the implementations
-    ms = timing.time_jax(step, *args, repeats=repeats, warmup=warmup, jit=False)
+    ms = timing.time_jax(step, *args, repeats=repeats, warmup=warmup)
     return ms, float(value), _executed_flops(impl, step)
 
 

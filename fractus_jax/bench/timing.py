@@ -1,7 +1,8 @@
 """Shared timing for the benchmarks: warm up, then the median wall time of N runs.
 
-JAX: the function is jitted (compile and warm-up runs are not timed) and every timed call
-is followed by `jax.block_until_ready`, so the time is the computation's, not the dispatch.
+JAX: the caller passes an already compiled function, so no compile is timed, and every
+timed call is followed by `jax.block_until_ready`, so the time is the computation's, not the
+dispatch.
 PyTorch (CPU, eager): the same warm-up and median; results are synchronous on the CPU.
 """
 from __future__ import annotations
@@ -34,14 +35,15 @@ def _median_ms(call: Callable[[], Any], repeats: int, warmup: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def time_jax(fn: Callable, *args, repeats: int = 10, warmup: int = 1, jit: bool = True) -> float:
-    """Median milliseconds of `fn(*args)` (jitted unless `jit=False`), after compiling and
-    `warmup` untimed runs; each run waits for every output with `block_until_ready`."""
+def time_jax(fn: Callable, *args, repeats: int = 10, warmup: int = 1) -> float:
+    """Median milliseconds of `fn(*args)`, `fn` already compiled (`jax.jit(f).lower(*args).compile()`),
+    after a first call and `warmup` untimed runs; each run waits for every output with
+    `block_until_ready`."""
     import jax
 
-    f = jax.jit(fn) if jit else fn
-    jax.block_until_ready(f(*args))          # compile (never timed)
-    return _median_ms(lambda: jax.block_until_ready(f(*args)), repeats, warmup)
+    # never timed, even with warmup=0: a compiled executable's first call builds its dispatch path
+    jax.block_until_ready(fn(*args))
+    return _median_ms(lambda: jax.block_until_ready(fn(*args)), repeats, warmup)
 
 
 def time_torch(fn: Callable[[], Any], repeats: int = 10, warmup: int = 1) -> float:

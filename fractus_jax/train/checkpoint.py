@@ -29,6 +29,7 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 ITEMS = ("params", "opt_state", "extra", "meta")
+COMMIT_GUESS_SECONDS = 30.0   # a save's time to commit, until one is measured
 
 
 class CheckpointError(ValueError):
@@ -75,7 +76,7 @@ class RunCheckpointer:
         self._save_started = 0.0
         # Seconds from a save's start to its commit (an upper bound when seen by poll);
         # a guess until one is measured. The trainer's deadline margin uses it.
-        self.commit_seconds = 30.0
+        self.commit_seconds = COMMIT_GUESS_SECONDS
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
@@ -84,15 +85,21 @@ class RunCheckpointer:
         self.wait()   # one write at a time: the previous manifest first
         step = int(meta["step"])
         extra = {k: state[k] for k in ("carry", "step", "skipped")}
+        # Started before manager.save: its copy off the devices is part of what a save costs.
+        self._save_started = time.time()
         self.manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(state["params"]),
             opt_state=ocp.args.StandardSave(state["opt_state"]),
             extra=ocp.args.StandardSave(extra),
             meta=ocp.args.JsonSave(meta)), force=True)
         self._pending_manifest = meta
-        self._save_started = time.time()
         if block:
             self.wait()
+
+    def save_seconds(self) -> float:
+        """A blocking save's expected seconds from now: the last commit time, twice that while a
+        background save is still being written (a save waits for it first)."""
+        return self.commit_seconds * (1 if self._pending_manifest is None else 2)
 
     def poll(self) -> None:
         """Write the manifest of a background save that has committed."""

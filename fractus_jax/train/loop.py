@@ -325,7 +325,7 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
                 cfg.save_every_minutes > 0 and time.time() - last_save >= 60 * cfg.save_every_minutes)
             if stop.signal:
                 stop_reason = f"{stop.signal} received"
-            elif deadline is not None and time.time() + 2 * (step_seconds or 0) + 1.5 * ckpt.commit_seconds >= deadline:
+            elif deadline is not None and time.time() + 2 * (step_seconds or 0) + 1.5 * ckpt.save_seconds() >= deadline:
                 stop_reason = "deadline near"
             if probe_now or save_now or stop_reason or step == cfg.max_steps:
                 m = record(*pending, t_prev)
