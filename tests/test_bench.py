@@ -46,6 +46,8 @@ def test_train_bench_reports_ids_per_s_and_mfu(capsys):
     assert r["peak_flops_per_s"] >= r["peak_median_flops_per_s"] > 0
     assert r["mfu"] == pytest.approx(r["achieved_flops_per_s"] / r["peak_flops_per_s"])
     assert 0 < r["mfu"] < 1
+    assert r["allocator"] in ("glibc", "tcmalloc", "jemalloc", "mimalloc", "unknown")
+    assert r["page_faults_per_step"] >= 0
 
 
 def test_profile_classifies_op_sources():

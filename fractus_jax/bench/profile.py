@@ -30,6 +30,8 @@ import re
 import sys
 import tempfile
 
+from fractus_jax import hostmem
+
 KINDS = ("matmul", "data movement", "elementwise")
 COMPONENTS = ("embed", "attention", "kuramoto", "moe", "layernorm", "loss", "optimizer")
 _MOVEMENT = {"transpose", "copy", "concatenate", "pad", "slice", "dynamic_slice",
@@ -175,7 +177,8 @@ def profile_step(cfg, steps: int = 3, warmup: int = 2, trace_dir: str | None = N
         print("warning: the compiled step carries no named scopes; if JAX_COMPILATION_CACHE_DIR "
               "is set, an executable cached by an older version was reused (clear the cache)",
               file=sys.stderr)
-    out.update(trace=files[-1], backend=jax.default_backend(), devices=cfg.mesh.data * cfg.mesh.fsdp)
+    out.update(trace=files[-1], backend=jax.default_backend(), devices=cfg.mesh.data * cfg.mesh.fsdp,
+               allocator=hostmem.allocator())
     return out
 
 
@@ -188,7 +191,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = step_config(args)
     r = profile_step(cfg, args.steps, args.warmup, args.trace_dir, args.top)
-    print(f"{args.config} on {r['devices']} device(s), {r['backend']}")
+    print(f"{args.config} on {r['devices']} device(s), {r['backend']}, host malloc {r['allocator']}")
     print(format_table(r))
     if args.json:
         print(json.dumps(r))

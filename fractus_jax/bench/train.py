@@ -16,6 +16,7 @@ import json
 import sys
 import time
 
+from fractus_jax import hostmem
 from fractus_jax.bench import timing
 from fractus_jax.bench.flops import train_flops_per_id
 
@@ -76,15 +77,17 @@ def time_jax_step(cfg, steps: int, warmup: int) -> dict:
     for b in batches[1:warmup + 1]:
         state, metrics = step(state, b)
     jax.block_until_ready(metrics)
-    times = []
+    times, faults = [], []
     for b in batches[warmup + 1:]:
-        t0 = time.perf_counter()
+        f0, t0 = hostmem.minor_faults(), time.perf_counter()
         state, metrics = step(state, b)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
+        faults.append(hostmem.minor_faults() - f0)
     times.sort()
+    faults.sort()
     return {"ms_per_step": 1e3 * times[len(times) // 2], "compile_s": compile_s,
-            "ce_last": float(metrics["ce_tf"])}
+            "ce_last": float(metrics["ce_tf"]), "page_faults_per_step": faults[len(faults) // 2]}
 
 
 def time_torch_step(cfg, steps: int) -> float:
@@ -140,7 +143,8 @@ def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict
            "peak_median_flops_per_s": peak["median"], "peak_kind": peak["kind"],
            "ms_per_step": jax_res["ms_per_step"], "compile_s": jax_res["compile_s"],
            "ids_per_step": ids_per_step, "devices": n_dev, "backend": backend,
-           "device_kind": jax.devices()[0].device_kind, "cores": timing.cpu_cores()}
+           "device_kind": jax.devices()[0].device_kind, "cores": timing.cpu_cores(),
+           "allocator": hostmem.allocator(), "page_faults_per_step": jax_res["page_faults_per_step"]}
     if with_torch:
         import torch
         torch.set_num_threads(timing.cpu_cores())
@@ -190,6 +194,10 @@ def main(argv=None) -> int:
           f"{r['achieved_flops_per_s'] / 1e9:.2f} GFLOP/s, peak {r['peak_flops_per_s'] / 1e9:.1f} "
           f"GFLOP/s per {r['peak_scope']} x {r['peak_units']} ({r['peak_kind']}; median "
           f"{r['peak_median_flops_per_s'] / 1e9:.1f}), MFU {100 * r['mfu']:.1f}%")
+    print(f"  host malloc {r['allocator']}: {r['page_faults_per_step']:,} page faults per step (median)")
+    note = hostmem.advice(r["page_faults_per_step"])
+    if note:
+        print("  " + note)
     if "torch_ids_per_s" in r:
         print(f"  PyTorch reference step: {r['torch_ids_per_s']:.0f} ids/s ({r['torch_threads']} threads); "
               f"JAX is {r['speedup_vs_torch']:.1f}x")

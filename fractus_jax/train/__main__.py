@@ -44,6 +44,12 @@ def main(argv=None) -> int:
 
     user_errors = (config.ConfigError, loop.TrainError, CorpusError, checkpoint.CheckpointError, data.DataError)
     init_distributed(args)
+    import jax
+
+    from fractus_jax import hostmem
+    note = hostmem.cpu_training_note(jax.default_backend())
+    if note and jax.process_index() == 0:
+        print(note, file=sys.stderr)
     try:
         cfg = config.apply_overrides(config.load_config(args.config), args.overrides)
         plan = loop.prepare(cfg, args.workdir, progress=not args.no_progress)

@@ -1,0 +1,79 @@
+"""The host's memory allocator, as it bears on a step's speed on a CPU.
+
+XLA:CPU allocates a compiled program's temporary buffer (265 MB for the bench_small train
+step) anew at every execution and frees it after. glibc's malloc serves a block that large
+with a fresh mmap and unmaps it on free, so every step first-touches every page again: 65k
+page faults per bench_small step, each a kernel trap that zeroes 4 KiB. An allocator that
+keeps freed memory (tcmalloc) serves the same pages again: ~0 faults, and the bench_small
+step ran 1.2-1.4x faster in the runs of docs/performance.md. The allocator is the
+process's, chosen when it starts (LD_PRELOAD), so this module only detects and advises:
+`scripts/with_tcmalloc CMD...` runs a command with it.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import os
+import resource
+
+# Where Debian/Ubuntu's libtcmalloc-minimal4 and libgoogle-perftools4 put the library.
+_TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+             "/usr/local/lib")
+_KNOWN = {"tcmalloc": "tcmalloc", "jemalloc": "jemalloc", "mimalloc": "mimalloc"}
+
+
+def allocator() -> str:
+    """The malloc this process runs on: 'tcmalloc', 'jemalloc' or 'mimalloc' when one of them
+    is mapped into it (preloaded or linked), else 'glibc' on Linux, 'unknown' elsewhere."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return "unknown"
+    for needle, name in _KNOWN.items():
+        if needle in maps:
+            return name
+    return "glibc"
+
+
+def find_tcmalloc() -> str | None:
+    """The path of a tcmalloc shared library on this machine, or None."""
+    for d in _LIB_DIRS:
+        for name in _TCMALLOC_NAMES:
+            path = os.path.join(d, name)
+            if os.path.exists(path):
+                return path
+    found = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    return found if found and os.path.isabs(found) else None
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (pages first touched, not read from disk)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _how() -> str:
+    lib = find_tcmalloc()
+    return (f"run it as `scripts/with_tcmalloc python -m ...` (LD_PRELOAD={lib})" if lib else
+            "install tcmalloc (Debian/Ubuntu: apt-get install libtcmalloc-minimal4) and run it as "
+            "`scripts/with_tcmalloc python -m ...`")
+
+
+def advice(faults_per_step: float) -> str | None:
+    """One line for a user whose steps spend their time on page faults, or None."""
+    if allocator() != "glibc" or faults_per_step < 1000:
+        return None
+    return (f"note: {faults_per_step:,.0f} page faults per step: glibc's malloc maps the step's "
+            f"temporary buffer anew every step; {_how()} (docs/performance.md)")
+
+
+def cpu_training_note(backend: str) -> str | None:
+    """The trainer's one line at start when it computes on the CPU under glibc's malloc."""
+    if backend != "cpu" or allocator() != "glibc":
+        return None
+    return (f"note: training on the CPU with glibc's malloc, which maps every step's temporary "
+            f"buffer anew; {_how()} (docs/performance.md: the bench_small step ran 1.2-1.4x faster)")
+
+
+if __name__ == "__main__":
+    print(allocator())   # `python -m fractus_jax.hostmem`: this process's malloc

@@ -1,0 +1,67 @@
+"""The host allocator's detection and advice (fractus_jax/hostmem.py, scripts/with_tcmalloc).
+
+What tcmalloc does to a step's speed is measured by `bench train`, not asserted here."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from fractus_jax import hostmem
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TCMALLOC = hostmem.find_tcmalloc()
+needs_tcmalloc = pytest.mark.skipif(TCMALLOC is None, reason="no tcmalloc on this machine")
+
+
+def _allocator_of(cmd_prefix=(), env=None):
+    out = subprocess.run([*cmd_prefix, sys.executable, "-m", "fractus_jax.hostmem"], env=env,
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(hostmem.allocator() != "glibc", reason="another malloc may reuse pages")
+def test_minor_faults_count_pages_touched_for_the_first_time():
+    before = hostmem.minor_faults()
+    # 16 MiB, zero-filled: 4096 pages of 4 KiB (a bytearray, not numpy, which asks the
+    # kernel for 2 MiB pages on large arrays)
+    block = bytearray(16 * 2**20)
+    after = hostmem.minor_faults()
+    assert len(block) == 16 * 2**20
+    assert after - before >= 1000
+
+
+def test_a_plain_process_runs_on_glibc_and_is_advised_only_when_it_faults():
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    assert _allocator_of(env=env) == "glibc"
+    if hostmem.allocator() == "glibc":
+        assert hostmem.advice(10) is None
+        note = hostmem.advice(65_000)
+        assert "65,000 page faults per step" in note and "with_tcmalloc" in note
+        assert "with_tcmalloc" in hostmem.cpu_training_note("cpu")
+    assert hostmem.cpu_training_note("gpu") is None
+
+
+@needs_tcmalloc
+def test_with_tcmalloc_preloads_it():
+    assert _allocator_of([str(ROOT / "scripts" / "with_tcmalloc")]) == "tcmalloc"
+    env = {**os.environ, "LD_PRELOAD": TCMALLOC}
+    assert _allocator_of(env=env) == "tcmalloc"
+
+
+def test_with_tcmalloc_without_a_command_is_a_usage_error():
+    r = subprocess.run([str(ROOT / "scripts" / "with_tcmalloc")], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_with_tcmalloc_without_the_library_runs_nothing_and_says_how_to_install(tmp_path):
+    # A PATH with bash and awk but no ldconfig: no library can be found.
+    import shutil
+    for tool in ("bash", "awk"):
+        (tmp_path / tool).symlink_to(shutil.which(tool))
+    marker = tmp_path / "ran"
+    r = subprocess.run([str(ROOT / "scripts" / "with_tcmalloc"), "touch", str(marker)],
+                       env={"PATH": str(tmp_path)}, capture_output=True, text=True)
+    assert r.returncode == 3 and "apt-get install libtcmalloc-minimal4" in r.stderr
+    assert not marker.exists()
