@@ -35,15 +35,14 @@ def plan(cfg) -> dict:
     from fractus_jax.bench.flops import train_flops_per_id
     from fractus_jax.train import checkpoint as ckpt_lib
     from fractus_jax.train import state as state_lib
-    from fractus_jax.train.step import jit_train_step
+    from fractus_jax.train.step import abstract_batch, batch_shardings, jit_train_step
 
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
     abstract = state_lib.abstract_train_state(cfg)
     shardings = state_lib.train_state_shardings(cfg, mesh, abstract)
     state_in = ckpt_lib.abstract_with_shardings(abstract, shardings)
-    batch_shard = {"ids": sharding.batch_sharding(mesh, 3, batch_dim=1)}
-    batch_in = {"ids": jax.ShapeDtypeStruct((cfg.accum, cfg.batch_size, cfg.seq_len + 1), np.int32,
-                                            sharding=batch_shard["ids"])}
+    batch_shard = batch_shardings(cfg, mesh)
+    batch_in = abstract_batch(cfg, batch_shard)
     compiled = jit_train_step(cfg, shardings, batch_shard).lower(state_in, batch_in).compile()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()

@@ -16,7 +16,7 @@ from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.data import LaneReader, global_batch
-from fractus_jax.train.step import jit_train_step
+from fractus_jax.train.step import batch_shardings, jit_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(1, 1), (2, 4), (8, 1)]
@@ -38,7 +38,7 @@ def _cfg(corpus_file, data, fsdp):
 def _train_steps(cfg, corpus_ids):
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
     state, shardings = state_lib.create_train_state(cfg, mesh, jax.random.PRNGKey(cfg.seed))
-    batch_shard = {"ids": sharding.batch_sharding(mesh, 3, batch_dim=1)}
+    batch_shard = batch_shardings(cfg, mesh)
     step = jit_train_step(cfg, shardings, batch_shard)
     reader = LaneReader(corpus_ids, cfg.batch_size, cfg.seq_len)
     for i in range(STEPS):
@@ -157,3 +157,8 @@ def test_plan_reports_the_sharded_step_memory(corpus_file):
     # fsdp=4 splits the parameters and moments: each device holds about a quarter.
     assert eight["params_bytes_per_device"] < 0.4 * one["params_bytes_per_device"]
     assert eight["opt_state_bytes_per_device"] < 0.4 * one["opt_state_bytes_per_device"]
+    # With the atom features fed, the planned step takes them too: (A, B, C, 320) float32
+    # more arguments, rows split over all 8 devices (data × fsdp), as the trainer feeds them.
+    feats = plan(loop.resolve_for_mesh(cfg_lib.apply_overrides(_cfg(corpus_file, 2, 4), ["feats=true"])))
+    extra = feats["per_device"]["argument_bytes"] - eight["per_device"]["argument_bytes"]
+    assert extra == 1 * 8 * 16 * 320 * 4 // 8

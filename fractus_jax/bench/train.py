@@ -53,11 +53,11 @@ def build_step(cfg, n_batches: int):
     from fractus_jax import sharding
     from fractus_jax.train import state as state_lib
     from fractus_jax.train.data import LaneReader, global_batch
-    from fractus_jax.train.step import jit_train_step
+    from fractus_jax.train.step import batch_shardings, jit_train_step
 
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
     state, shardings = state_lib.create_train_state(cfg, mesh, jax.random.PRNGKey(cfg.seed))
-    batch_shard = {"ids": sharding.batch_sharding(mesh, 3, batch_dim=1)}
+    batch_shard = batch_shardings(cfg, mesh)
     step = jit_train_step(cfg, shardings, batch_shard)
     span = cfg.batch_size * (cfg.accum * cfg.seq_len + 1) * (n_batches + 1)
     ids = np.random.default_rng(0).integers(0, min(256, cfg.model.vocab_size), span).astype(np.int32)

@@ -28,7 +28,7 @@ from fractus_jax.train import probes as probes_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import TrainConfig
 from fractus_jax.train.data import DataError, LaneReader, global_batch
-from fractus_jax.train.step import jit_train_step
+from fractus_jax.train.step import batch_shardings, jit_train_step
 
 METRICS = "metrics.jsonl"
 EMA_DECAY = 0.99
@@ -226,9 +226,7 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
             state = state_lib.with_params(cfg, state, jax.device_put(params, shardings["params"]))
             log(f"weights from {cfg.init_from}; fresh optimizer moments (warmup advised)")
     reader = LaneReader(plan.corpus.ids, cfg.batch_size, cfg.seq_len, cfg.accum)
-    batch_shard = {"ids": sharding.batch_sharding(mesh, 3, batch_dim=1)}
-    if cfg.feats and cfg.model.is_atom:
-        batch_shard["feats"] = sharding.batch_sharding(mesh, 4, batch_dim=1)
+    batch_shard = batch_shardings(cfg, mesh)
 
     def build(cfg):
         """The compiled step and the prober of a config (again after a growth)."""

@@ -142,6 +142,28 @@ def make_train_step(cfg: TrainConfig):
     return step
 
 
+def batch_shardings(cfg: TrainConfig, mesh) -> dict:
+    """The step's batch layout on the mesh, rows split over the data axes: "ids"
+    (A, B, C+1), and "feats" (A, B, C, F) when the config feeds the atom features. The
+    trainer, the benchmarks and the planner all take it from here, so that they compile
+    the same program."""
+    from fractus_jax import sharding
+
+    out = {"ids": sharding.batch_sharding(mesh, 3, batch_dim=1)}
+    if cfg.feats and cfg.model.is_atom:
+        out["feats"] = sharding.batch_sharding(mesh, 4, batch_dim=1)
+    return out
+
+
+def abstract_batch(cfg: TrainConfig, shardings: dict) -> dict:
+    """ShapeDtypeStructs of a batch with `batch_shardings`' layout (ahead-of-time lowering)."""
+    from fractus_jax.atom.features import FEAT_DIM
+
+    A, B, C = cfg.accum, cfg.batch_size, cfg.seq_len
+    shapes = {"ids": ((A, B, C + 1), jnp.int32), "feats": ((A, B, C, FEAT_DIM), jnp.float32)}
+    return {k: jax.ShapeDtypeStruct(*shapes[k], sharding=sh) for k, sh in shardings.items()}
+
+
 def jit_train_step(cfg: TrainConfig, state_shardings, batch_shardings):
     """The step jitted with its shardings and the state donated (updated in place).
 
