@@ -9,6 +9,7 @@ from fractus_jax.kernels import attention as A
 from fractus_jax.kernels import kuramoto as K
 from fractus_jax.kernels import moe as M
 from fractus_jax.kernels.loss import chunked_cross_entropy
+from fractus_jax.kernels.trig import sincos
 
 
 @pytest.fixture(autouse=True)
@@ -169,6 +170,30 @@ def test_kuramoto_wraps_and_differentiates():
     assert float(jnp.abs(theta - theta0).max()) > 1e-3
     # Away from the wrap point the mod has slope 1, so finite differences hold.
     check_grads(lambda o, u, l: run(o, u, l, theta0), (omega, U, lam), order=1, modes=["rev"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, bound", [(np.float64, 4e-16), (np.float32, 1.2e-7)])
+def test_sincos_matches_numpy_and_differentiates_as_sin_and_cos(dtype, bound):
+    rng = np.random.default_rng(8)
+    # Quadrant edges (multiples of π/4, both sides), the phases' own range and far beyond.
+    edges = np.pi / 4 * np.arange(-16, 17)
+    x = np.concatenate([rng.uniform(-100, 100, 20000), rng.uniform(0, 2 * np.pi, 20000),
+                        edges, np.nextafter(edges, np.inf), np.nextafter(edges, -np.inf),
+                        [0.0, -0.0, 1e-30, 1e3, -1e3]]).astype(dtype)
+    sin, cos = sincos(jnp.asarray(x))
+    assert sin.dtype == cos.dtype == dtype
+    truth = x.astype(np.float64)
+    assert np.abs(np.asarray(sin, np.float64) - np.sin(truth)).max() <= bound
+    assert np.abs(np.asarray(cos, np.float64) - np.cos(truth)).max() <= bound
+    assert np.isnan(np.asarray(sincos(jnp.asarray([np.nan, np.inf], dtype))[0])).all()
+    if dtype == np.float64:
+        # d sin = cos, d cos = −sin exactly (the rule), and to second order by differences.
+        t = jnp.asarray(x[:40])
+        ds = jax.vmap(jax.grad(lambda v: sincos(v)[0]))(t)
+        dc = jax.vmap(jax.grad(lambda v: sincos(v)[1]))(t)
+        np.testing.assert_array_equal(ds, sincos(t)[1])
+        np.testing.assert_array_equal(dc, -sincos(t)[0])
+        check_grads(lambda v: sincos(v)[0] * sincos(v)[1] ** 2, (t,), order=2, modes=["fwd", "rev"])
 
 
 def test_chunked_ce_equals_full_softmax():

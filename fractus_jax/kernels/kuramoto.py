@@ -10,9 +10,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from fractus_jax.kernels.trig import sincos
+
 TWO_PI = 2.0 * math.pi
-
-
 def initial_phases(base_phase, n_oscillators: int):
     """θ0_n = (b + 2π·n/N) mod 2π for a base phase b of shape (...)."""
     spread = TWO_PI * jnp.arange(n_oscillators, dtype=base_phase.dtype) / n_oscillators
@@ -26,7 +26,7 @@ def mean_phase_encoding(y):
 
 def kuramoto_field(theta, omega, coupling_u, coupling_lambda, damping: float):
     """dθ/dt = ω − damping·θ + cos θ ⊙ (U p) − sin θ ⊙ (U q), p = Λ⊙(Uᵀ sin θ), q = Λ⊙(Uᵀ cos θ)."""
-    sin, cos = jnp.sin(theta), jnp.cos(theta)
+    sin, cos = sincos(theta)
     p = coupling_lambda * (sin @ coupling_u)
     q = coupling_lambda * (cos @ coupling_u)
     return omega - damping * theta + cos * (p @ coupling_u.T) - sin * (q @ coupling_u.T)

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fractus_jax.kernels.trig import sincos
+
 _GATE_FLOOR = 1e-10
 
 
@@ -44,12 +46,13 @@ def farey_phases(n_experts: int) -> np.ndarray:
 
 def mean_phase(psi):
     """θ̄ = atan2(Σ sin ψ, Σ cos ψ) over the oscillator axis."""
-    return jnp.arctan2(jnp.sin(psi).sum(-1), jnp.cos(psi).sum(-1))
+    sin, cos = sincos(psi)
+    return jnp.arctan2(sin.sum(-1), cos.sum(-1))
 
 
 def gates(theta_bar, expert_phases, kappa_eff: float):
     """Normalised von Mises gates (..., E); uniform where the sum is ≤ 1e-10."""
-    g = jnp.exp(kappa_eff * jnp.cos(theta_bar[..., None] - expert_phases))
+    g = jnp.exp(kappa_eff * sincos(theta_bar[..., None] - expert_phases)[1])
     total = g.sum(-1, keepdims=True)
     ok = total > _GATE_FLOOR
     uniform = jnp.full_like(g, 1.0 / g.shape[-1])
