@@ -245,6 +245,9 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
     bar = _progress_bar(cfg.max_steps, step, progress and lead)
     last_save = time.time()
     step_seconds = None
+    # The first step of a program includes its compilation (minutes at 1B): it would inflate
+    # the step time that the deadline margin reserves, so the estimate starts after it.
+    compiling = True
     pending = None  # (step, device metrics, dispatch time) of the step in flight
     last = {}
 
@@ -260,11 +263,14 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
         last_save = time.time()
 
     def record(done_step, device_metrics, t_dispatch, t_prev):
-        nonlocal step_seconds, last
+        nonlocal step_seconds, last, compiling
         m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
         now = time.time()
         dt = max(now - t_prev, 1e-9)
-        step_seconds = dt if step_seconds is None else 0.9 * step_seconds + 0.1 * dt
+        if compiling:
+            compiling = False
+        else:
+            step_seconds = dt if step_seconds is None else 0.9 * step_seconds + 0.1 * dt
         ema["ema_tf"] = m["ce_tf"] if ema["ema_tf"] is None else EMA_DECAY * ema["ema_tf"] + (1 - EMA_DECAY) * m["ce_tf"]
         if m["ss_ran"]:
             ema["ema_ss"] = m["ce_ss"] if ema["ema_ss"] is None else EMA_DECAY * ema["ema_ss"] + (1 - EMA_DECAY) * m["ce_ss"]
@@ -305,6 +311,7 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
                 state, cfg, grow_record = growth_lib.grow_in_place(state, cfg, mesh, step, last_hits)
                 growth.append(grow_record)
                 step_fn, prober = build(cfg)
+                compiling = True
                 log(f"grew at step {step}: {grow_record['from']} -> {grow_record['to']}")
                 t_prev = time.time()
             batch = global_batch(reader, pos, batch_shard, FEATURE_CONTEXT)
