@@ -64,6 +64,42 @@ def test_profile_classifies_op_sources():
     assert classify("jit(step)/concatenate")[2] == "data movement"
 
 
+def test_profile_kinds_come_from_the_compiled_opcodes():
+    from fractus_jax.bench.profile import classify, instruction_kinds, instruction_sources
+    hlo = """HloModule jit_step
+
+%fused_computation.1 (param_0: f32[4,8], param_1: f32[8,2]) -> f32[4,2] {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  %param_1 = f32[8,2]{1,0} parameter(1)
+  ROOT %dot.9 = f32[4,2]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_computation.2 (param_0.1: f32[4,2]) -> f32[2,4] {
+  %param_0.1 = f32[4,2]{1,0} parameter(0)
+  %exp.1 = f32[4,2]{1,0} exponential(%param_0.1)
+  ROOT %transpose.1 = f32[2,4]{0,1} transpose(%exp.1), dimensions={1,0}
+}
+
+ENTRY %main.5 (p0: f32[4,8], p1: f32[8,2]) -> (f32[2,4], f32[8,4]) {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[8,2]{1,0} parameter(1)
+  %ynn_fusion = f32[4,2]{1,0} fusion(%p0, %p1), kind=kCustom, calls=%fused_computation.1, metadata={op_name="jit(step)/jvp()/moe/dot_general"}
+  %dot.3 = f32[8,4]{1,0} dot(%p1, %ynn_fusion), lhs_contracting_dims={1}, rhs_contracting_dims={1}, metadata={op_name="jit(step)/transpose(jvp())/moe/transpose"}
+  %copy_fusion = f32[2,4]{0,1} fusion(%ynn_fusion), kind=kLoop, calls=%fused_computation.2, metadata={op_name="jit(step)/jvp()/moe/exp"}
+  ROOT %tuple.4 = (f32[2,4]{0,1}, f32[8,4]{1,0}) tuple(%copy_fusion, %dot.3)
+}
+"""
+    kinds = instruction_kinds(hlo)
+    sources = instruction_sources(hlo)
+    # JAX names the backward's dot by its transpose rule; the opcode says matmul.
+    assert classify(sources["dot.3"])[2] == "data movement"
+    assert kinds["dot.3"] == "matmul"
+    assert kinds["ynn_fusion"] == "matmul"                 # a fusion wrapping a dot
+    assert kinds["copy_fusion"] == "data movement"         # the root of its computation
+    assert classify(sources["copy_fusion"])[2] == "elementwise"
+    assert kinds["tuple.4"] == "elementwise" and kinds["p0"] == "elementwise"
+
+
 def test_profile_of_the_train_step_covers_every_component(capsys):
     # A sequence length of its own: an executable of this program cached by an older version
     # (persistent caches key without metadata) cannot stand in for it.

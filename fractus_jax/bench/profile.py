@@ -11,9 +11,10 @@ summed per step by:
               what lies outside them (the residual adds, the gradient plumbing of the
               layer loop, the metrics)
   pass        forward, or backward (JAX's transpose of the forward)
-  kind        matmul (dot_general), data movement (transpose, copy, concatenate, pad,
-              slice, gather, scatter, dynamic-update-slice), elementwise (everything else:
-              fused arithmetic, reductions)
+  kind        from the compiled program's opcode (a fusion: a matmul when it wraps a dot,
+              else its root's): matmul (dot), data movement (transpose, copy, concatenate,
+              pad, slice, gather, scatter, dynamic-update-slice, ...), elementwise
+              (everything else: fused arithmetic, reductions)
 
 and it reports how busy the host's threads were: op time per thread over the traced span.
 Sums are op times: two threads running at once count twice, so the total can exceed the
@@ -52,6 +53,51 @@ def classify(op_name: str) -> tuple[str, str, str]:
     return component, pass_, kind
 
 
+_HLO_MOVEMENT = {"transpose", "copy", "concatenate", "pad", "slice", "dynamic-slice",
+                 "dynamic-update-slice", "gather", "scatter", "reshape", "broadcast", "reverse",
+                 "bitcast", "select-and-scatter"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (?:\([^=]*?\)|\S+) ([\w\-]+)\(")
+
+
+def instruction_kinds(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> kind, from the compiled module's own opcodes: a fusion is a
+    matmul when its computation holds a dot (XLA:CPU's library fusions wrap one), else the
+    kind of its root. The op_name's last word can mislead: the dots that transpose a
+    dot_general in the backward carry JAX's "transpose" as their primitive."""
+    opcode, calls, roots, has_dot = {}, {}, {}, set()
+    computation = None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            computation = head.group(1)
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, op = m.groups()
+        opcode[name] = op
+        if op in ("dot", "convolution"):
+            has_dot.add(computation)
+        if line.lstrip().startswith("ROOT"):
+            roots[computation] = op
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        if op == "fusion" and called:
+            calls[name] = called.group(1)
+
+    def kind(op):
+        return ("matmul" if op in ("dot", "convolution") else
+                "data movement" if op in _HLO_MOVEMENT else "elementwise")
+
+    out = {}
+    for name, op in opcode.items():
+        if op == "fusion" and name in calls:
+            body = calls[name]
+            out[name] = "matmul" if body in has_dot else kind(roots.get(body, ""))
+        else:
+            out[name] = kind(op)
+    return out
+
+
 def instruction_sources(hlo_text: str) -> dict[str, str]:
     """Instruction name -> op_name metadata ('' where none) of a compiled HLO module."""
     out = {}
@@ -83,9 +129,12 @@ def _leaves(ops: list[dict]) -> list[dict]:
     return [e for i, e in enumerate(ops) if i not in containers]
 
 
-def summarize(events: list[dict], sources: dict[str, str], n_steps: int, top: int = 15) -> dict:
+def summarize(events: list[dict], sources: dict[str, str], n_steps: int, top: int = 15,
+              kinds: dict[str, str] | None = None) -> dict:
     """Per-step op times (ms) by component/pass/kind, thread use and the top operations,
-    from trace events (Chrome trace format: ph, name, ts, dur in µs, tid)."""
+    from trace events (Chrome trace format: ph, name, ts, dur in µs, tid). `kinds`
+    (instruction_kinds) overrides the kind read from an op_name."""
+    kinds = kinds or {}
     def instruction(e):
         # CPU traces name the event by the instruction; GPU traces name the kernel and carry
         # the instruction in args.hlo_op (not yet checked on a GPU).
@@ -110,6 +159,7 @@ def summarize(events: list[dict], sources: dict[str, str], n_steps: int, top: in
     threads = collections.Counter()
     for e in ops:
         component, pass_, kind = classify(sources[e["name"]])
+        kind = kinds.get(e["name"], kind)
         by_component[component][pass_] += e["dur"]
         by_kind[kind] += e["dur"]
         component_kind[component][kind] += e["dur"]
@@ -156,7 +206,8 @@ def profile_step(cfg, steps: int = 3, warmup: int = 2, trace_dir: str | None = N
 
     step, state, batches = build_step(cfg, steps + warmup)
     compiled = step.lower(state, batches[0]).compile()
-    sources = instruction_sources(compiled.as_text())
+    hlo = compiled.as_text()
+    sources = instruction_sources(hlo)
     for b in batches[:warmup]:
         state, _ = compiled(state, b)
     jax.block_until_ready(state)
@@ -170,7 +221,7 @@ def profile_step(cfg, steps: int = 3, warmup: int = 2, trace_dir: str | None = N
         raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {trace_dir}")
     with gzip.open(files[-1]) as f:
         events = json.load(f)["traceEvents"]
-    out = summarize(events, sources, steps, top)
+    out = summarize(events, sources, steps, top, instruction_kinds(hlo))
     if set(out["components"]) == {"other"}:
         # Persistent compilation cache keys ignore metadata: an executable cached from the
         # same program before its scopes were named carries none.
