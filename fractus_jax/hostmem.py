@@ -12,14 +12,9 @@ process's, chosen when it starts (LD_PRELOAD), so this module only detects and a
 from __future__ import annotations
 
 import ctypes.util
-import os
 import resource
 
-# Where Debian/Ubuntu's libtcmalloc-minimal4 and libgoogle-perftools4 put the library.
-_TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
-_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
-             "/usr/local/lib")
-_KNOWN = {"tcmalloc": "tcmalloc", "jemalloc": "jemalloc", "mimalloc": "mimalloc"}
+_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
 
 
 def allocator() -> str:
@@ -30,21 +25,13 @@ def allocator() -> str:
             maps = f.read()
     except OSError:
         return "unknown"
-    for needle, name in _KNOWN.items():
-        if needle in maps:
-            return name
-    return "glibc"
+    return next((name for name in _ALLOCATORS if name in maps), "glibc")
 
 
 def find_tcmalloc() -> str | None:
-    """The path of a tcmalloc shared library on this machine, or None."""
-    for d in _LIB_DIRS:
-        for name in _TCMALLOC_NAMES:
-            path = os.path.join(d, name)
-            if os.path.exists(path):
-                return path
-    found = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
-    return found if found and os.path.isabs(found) else None
+    """The soname of a tcmalloc library the dynamic linker knows (its `ldconfig -p` cache,
+    where scripts/with_tcmalloc looks too), or None."""
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
 
 
 def minor_faults() -> int:

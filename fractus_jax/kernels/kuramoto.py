@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from fractus_jax.kernels.trig import sincos
 
 TWO_PI = 2.0 * math.pi
+
+
 def initial_phases(base_phase, n_oscillators: int):
     """θ0_n = (b + 2π·n/N) mod 2π for a base phase b of shape (...)."""
     spread = TWO_PI * jnp.arange(n_oscillators, dtype=base_phase.dtype) / n_oscillators
