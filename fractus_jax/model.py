@@ -184,26 +184,84 @@ def _layer_norm_bwd(eps, residuals, dy):
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
+def _heads(t_BxCxD, n_heads):
+    B, C, D = t_BxCxD.shape
+    return t_BxCxD.reshape(B, C, n_heads, D // n_heads).transpose(0, 2, 1, 3)
+
+
+def _project_qkv(x_BxCxD, w_Dx3xD, b_3xD, mm_dtype):
+    B, C, D = x_BxCxD.shape
+    # One (D, 3D) matmul rather than three: w[:, j] is (D_in, D_out).
+    w = w_Dx3xD.reshape(D, 3 * D).astype(mm_dtype)
+    return (x_BxCxD.astype(mm_dtype) @ w).astype(x_BxCxD.dtype) + b_3xD.reshape(3 * D)
+
+
+def _features_impl(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype):
+    qkv = _project_qkv(x_BxCxD, w_Dx3xD, b_3xD, mm_dtype)
+    D = x_BxCxD.shape[-1]
+    q, k, v = (_heads(qkv[..., j * D:(j + 1) * D], n_heads) for j in range(3))   # (B, H, C, dH)
+    levels = range(offsets.shape[0])
+    return (tuple(attn_k.elu1(q + offsets[l]) for l in levels),
+            tuple(attn_k.elu1(k + offsets[l]) for l in levels), v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def qkv_features(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype):
+    """((qf_l), (kf_l), v): the projection, split into heads (B, H, C, dH), and the feature
+    maps elu1(q + ω_l), elu1(k + ω_l) of every level l.
+
+    The backward is written out (custom_vjp) because autodiff's form cost ~15% of the
+    bench_small step: XLA:CPU fused the two levels' gradients, the elu1 derivative (from
+    max/min with its tie rule, recomputed from qkv), the heads transposes and the pads of
+    the slices into one 29-operand loop per layer that ran at ~1 GB/s. Here the feature
+    derivative is read off the saved output, elu1'(u) = min(elu1(u), 1), and the per-head
+    gradients are materialised (an optimization barrier) before one transpose and concat.
+    ω gets no gradient: level_offsets is a buffer.
+    """
+    return _features_impl(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype)
+
+
+def _qkv_features_fwd(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype):
+    out = _features_impl(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype)
+    qf, kf, _ = out
+    return out, (x_BxCxD, w_Dx3xD, b_3xD, qf, kf, offsets)
+
+
+def _qkv_features_bwd(n_heads, mm_dtype, residuals, cotangents):
+    x_BxCxD, w_Dx3xD, b_3xD, qf, kf, offsets = residuals
+    dqf, dkf, dv = cotangents
+    B, C, D = x_BxCxD.shape
+    dq = sum(d * jnp.minimum(f, 1.0) for d, f in zip(dqf, qf))
+    dk = sum(d * jnp.minimum(f, 1.0) for d, f in zip(dkf, kf))
+    dq, dk, dv = jax.lax.optimization_barrier((dq, dk, dv))
+    d_BxCx3D = jnp.concatenate([g.transpose(0, 2, 1, 3).reshape(B, C, D) for g in (dq, dk, dv)], -1)
+    d_mm = d_BxCx3D.astype(mm_dtype)
+    w = w_Dx3xD.reshape(D, 3 * D).astype(mm_dtype)
+    dx = (d_mm @ w.T).astype(x_BxCxD.dtype)
+    dw = jnp.einsum("bcd,bce->de", x_BxCxD.astype(mm_dtype), d_mm).astype(w_Dx3xD.dtype)
+    db = d_BxCx3D.sum((0, 1)).reshape(3, D)
+    return dx, dw.reshape(D, 3, D), db.astype(b_3xD.dtype), jnp.zeros_like(offsets)
+
+
+qkv_features.defvjp(_qkv_features_fwd, _qkv_features_bwd)
+
+
 @jax.named_scope("attention")
 def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, mm_dtype):
     B, C, D = x_BxCxD.shape
     H, dH, Lv = cfg.n_heads, cfg.d_head, cfg.n_levels
     acc = S_BxHxdxd.dtype
-    # One (D, 3D) matmul rather than three: w_qkv[j] is (D_in, D_out).
-    w = p["w_qkv"].transpose(1, 0, 2).reshape(D, 3 * D)
-    qkv = (x_BxCxD.astype(mm_dtype) @ w.astype(mm_dtype)).astype(acc) + p["b_qkv"].reshape(3 * D)
-    q, k, v = (qkv[..., j * D:(j + 1) * D].reshape(B, C, H, dH).transpose(0, 2, 1, 3)
-               for j in range(3))                                            # (B, H, C, dH)
+    qf, kf, v = qkv_features(x_BxCxD.astype(acc), p["w_qkv"].transpose(1, 0, 2), p["b_qkv"],
+                             jax.lax.stop_gradient(p["level_offsets"]), H, mm_dtype)
     # One kernel call per level (L is small and static): no stacked copies of q, k, v and
     # the carry, and the carry's level mean is a sum of slices (XLA's CPU backend reduces a
     # short broadcast axis ~30× slower than it adds slices, docs/engine.md).
-    offsets = jax.lax.stop_gradient(p["level_offsets"])
     mix = jax.nn.softmax(p["level_logits"])
     reset = reset_BxC[:, None, :]
     a, S_sum, z_sum = 0.0, 0.0, 0.0
     for l in range(Lv):
-        y, S_l, z_l = attn_k.linear_attention(attn_k.elu1(q + offsets[l]), attn_k.elu1(k + offsets[l]), v,
-                                              S_BxHxdxd, z_BxHxd, reset, block_size=cfg.attn_block_size)
+        y, S_l, z_l = attn_k.linear_attention(qf[l], kf[l], v, S_BxHxdxd, z_BxHxd, reset,
+                                              block_size=cfg.attn_block_size)
         a, S_sum, z_sum = a + mix[l] * y, S_sum + S_l, z_sum + z_l
     a = a.transpose(0, 2, 1, 3).reshape(B, C, H * dH)
     out = jnp.einsum("bcd,de->bce", a.astype(mm_dtype), p["w_out"].astype(mm_dtype)).astype(acc)
