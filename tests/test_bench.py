@@ -46,8 +46,23 @@ def test_train_bench_reports_ids_per_s_and_mfu(capsys):
     assert r["peak_flops_per_s"] >= r["peak_median_flops_per_s"] > 0
     assert r["mfu"] == pytest.approx(r["achieved_flops_per_s"] / r["peak_flops_per_s"])
     assert 0 < r["mfu"] < 1
+    assert 0 < r["mfu_paired"] < 1
+    assert "sampled between the steps" in r["peak_kind"]
     assert r["allocator"] in ("glibc", "tcmalloc", "jemalloc", "mimalloc", "unknown")
     assert r["page_faults_per_step"] >= 0
+
+
+def test_paired_mfu_pairs_each_round_with_the_peak_sampled_after_it():
+    from fractus_jax.bench.train import ROUND_STEPS, _paired_mfu
+    # round 0 in a slow phase (steps 4 s, matmul 2 s), round 1 in a fast one (2 s, 1 s):
+    # the ratio is 0.5 in both, whatever the run's best matmul says.
+    steps = [4.0] * ROUND_STEPS + [2.0] * ROUND_STEPS
+    assert _paired_mfu(steps, [[2.0, 3.0], [1.0, 1.5]], step_flops=1.0, peak_flops=1.0) == pytest.approx(0.5)
+    # the samples swapped: ratios 0.25 and 1, median 0.625
+    assert _paired_mfu(steps, [[1.0], [2.0]], 1.0, 1.0) == pytest.approx(0.625)
+    # a last, shorter round counts (ratios 1 and 2); no rounds gives None
+    assert _paired_mfu([1.0] * (ROUND_STEPS + 1), [[1.0], [2.0]], 1.0, 1.0) == pytest.approx(1.5)
+    assert _paired_mfu([1.0], [], 1.0, 1.0) is None
 
 
 def test_profile_classifies_op_sources():

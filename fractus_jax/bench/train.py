@@ -4,7 +4,10 @@ Times the very step the trainer runs (`fractus_jax.train.step.jit_train_step`, s
 donated, on the config's mesh) after compilation and warm-up, and reports ids/s, the
 analytic model FLOPs per id (fractus_jax/bench/flops.py), the achieved FLOP/s and
 MFU = achieved / peak, where the peak is measured in the same run: a dense float32 matmul
-on a CPU, a bfloat16 matmul on a GPU. With `--torch`, the package's PyTorch reference
+on a CPU, a bfloat16 matmul on a GPU, timed 3 times before the steps and after every 5
+timed steps. `mfu` divides the median step by the best matmul of the run; `mfu_paired` is
+the median over those rounds of the same ratio within the round (the machine's phase of
+the moment cancels). With `--torch`, the package's PyTorch reference
 engine runs the PyTorch parent trainer's step on the same config and batch (chunk
 forward + CE + lb, backward, SGD momentum 0.9) with the parent's einsum attention
 kernel, and the ratio is reported. With --json the last line is one JSON object.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -21,27 +25,37 @@ from fractus_jax.bench import timing
 from fractus_jax.bench.flops import train_flops_per_id
 
 
-def measure_peak(backend: str, repeats: int = 10) -> dict:
-    """FLOP/s of a large dense matmul (float32 on a CPU, bfloat16 on an accelerator): the
-    best of `repeats` timed runs, and their median. The best is the peak: on a shared
-    machine the median of the same matmul moved between 60% and 100% of it in one run."""
+def peak_sampler(backend: str):
+    """(sample, flops, kind): `sample(n)` times n runs of a large dense matmul (float32 on a
+    CPU, bfloat16 on an accelerator), seconds each, after compiling and two warm-up runs."""
     import jax
     import jax.numpy as jnp
 
     n, dtype = (2048, jnp.float32) if backend == "cpu" else (8192, jnp.bfloat16)
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
     b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
-    matmul = jax.jit(lambda x, y: x @ y)
-    jax.block_until_ready(matmul(a, b))
-    times = []
-    for _ in range(repeats + 2):
-        t0 = time.perf_counter()
+    matmul = jax.jit(lambda x, y: x @ y).lower(a, b).compile()
+    for _ in range(2):
         jax.block_until_ready(matmul(a, b))
-        times.append(time.perf_counter() - t0)
-    times = sorted(times[2:])   # two warm-up runs
-    flops = 2 * n ** 3
+
+    def sample(runs: int) -> list[float]:
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            jax.block_until_ready(matmul(a, b))
+            times.append(time.perf_counter() - t0)
+        return times
+    return sample, 2 * n ** 3, f"{jnp.dtype(dtype).name} {n}x{n} matmul"
+
+
+def measure_peak(backend: str, repeats: int = 10) -> dict:
+    """FLOP/s of a large dense matmul: the best of `repeats` timed runs, and their median.
+    The best is the peak: on a shared machine the median of the same matmul moved between
+    60% and 100% of it in one run."""
+    sample, flops, kind = peak_sampler(backend)
+    times = sorted(sample(repeats))
     return {"peak": flops / times[0], "median": flops / times[len(times) // 2],
-            "kind": f"{jnp.dtype(dtype).name} {n}x{n} matmul, best of {repeats}"}
+            "kind": f"{kind}, best of {repeats}"}
 
 
 def build_step(cfg, n_batches: int):
@@ -66,7 +80,9 @@ def build_step(cfg, n_batches: int):
     return step, state, batches
 
 
-def time_jax_step(cfg, steps: int, warmup: int) -> dict:
+def time_jax_step(cfg, steps: int, warmup: int, after_step=None) -> dict:
+    """Median step time and page faults over `steps` timed steps; `after_step(i)` runs
+    after timed step i, outside the timing (bench train samples the matmul peak there)."""
     import jax
 
     step, state, batches = build_step(cfg, steps + warmup + 1)
@@ -78,16 +94,16 @@ def time_jax_step(cfg, steps: int, warmup: int) -> dict:
         state, metrics = step(state, b)
     jax.block_until_ready(metrics)
     times, faults = [], []
-    for b in batches[warmup + 1:]:
+    for i, b in enumerate(batches[warmup + 1:]):
         f0, t0 = hostmem.minor_faults(), time.perf_counter()
         state, metrics = step(state, b)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
         faults.append(hostmem.minor_faults() - f0)
-    times.sort()
-    faults.sort()
-    return {"ms_per_step": 1e3 * times[len(times) // 2], "compile_s": compile_s,
-            "ce_last": float(metrics["ce_tf"]), "page_faults_per_step": faults[len(faults) // 2]}
+        if after_step is not None:
+            after_step(i)
+    return {"ms_per_step": 1e3 * statistics.median(times), "step_s": times, "compile_s": compile_s,
+            "ce_last": float(metrics["ce_tf"]), "page_faults_per_step": sorted(faults)[len(faults) // 2]}
 
 
 def time_torch_step(cfg, steps: int) -> float:
@@ -123,15 +139,44 @@ def time_torch_step(cfg, steps: int) -> float:
         Fn.loop_attention = loop_attention
 
 
+ROUND_STEPS = 5     # timed steps between two samples of the matmul peak
+ROUND_PEAK_RUNS = 3
+
+
+def _paired_mfu(step_s: list[float], peak_s: list[list[float]], step_flops: float, peak_flops: float):
+    """The median over rounds of (the round's median step FLOP/s) / (its best matmul FLOP/s):
+    each round's step and peak share the machine's phase of the moment."""
+    ratios = []
+    for r, samples in enumerate(peak_s):
+        steps = step_s[r * ROUND_STEPS:(r + 1) * ROUND_STEPS]
+        if steps and samples:
+            ratios.append((step_flops / statistics.median(steps)) / (peak_flops / min(samples)))
+    return statistics.median(ratios) if ratios else None
+
+
 def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict:
     import jax
 
     backend = jax.default_backend()
-    jax_res = time_jax_step(cfg, steps, warmup)
+    sample_peak, peak_flops, peak_kind = peak_sampler(backend)
+    # The peak is sampled between rounds of steps, not once before or after them: this
+    # machine moves between fast and slow phases within seconds, and a peak taken in a
+    # slow phase (or a step timed in one) moved the MFU by a third between runs.
+    peak_s = [sample_peak(ROUND_PEAK_RUNS)]
+    rounds: list[list[float]] = []
+
+    def after_step(i):
+        if (i + 1) % ROUND_STEPS == 0 or i + 1 == steps:
+            rounds.append(sample_peak(ROUND_PEAK_RUNS))
+
+    jax_res = time_jax_step(cfg, steps, warmup, after_step)
+    peak_s += rounds
+    every = sorted(t for r in peak_s for t in r)
+    peak = {"peak": peak_flops / every[0], "median": peak_flops / every[len(every) // 2],
+            "kind": f"{peak_kind}, best of {len(every)} sampled between the steps"}
     ids_per_step = cfg.batch_size * cfg.seq_len * cfg.accum
     ids_per_s = ids_per_step / (jax_res["ms_per_step"] / 1e3)
     flops_per_id = train_flops_per_id(cfg.model)
-    peak = measure_peak(backend)
     n_dev = cfg.mesh.data * cfg.mesh.fsdp
     # CPU "devices" of one process share its cores (the 8 fake devices of the tests are
     # one host), so the peak there is the host's; accelerators each have their own.
@@ -145,6 +190,8 @@ def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict
            "ids_per_step": ids_per_step, "devices": n_dev, "backend": backend,
            "device_kind": jax.devices()[0].device_kind, "cores": timing.cpu_cores(),
            "allocator": hostmem.allocator(), "page_faults_per_step": jax_res["page_faults_per_step"]}
+    paired = _paired_mfu(jax_res["step_s"], rounds, ids_per_step * flops_per_id, peak_flops)
+    out["mfu_paired"] = paired / peak_units if paired is not None else None
     if with_torch:
         import torch
         torch.set_num_threads(timing.cpu_cores())
@@ -193,7 +240,8 @@ def main(argv=None) -> int:
     print(f"  {r['flops_per_id'] / 1e6:.2f} MFLOP/id (analytic, train), achieved "
           f"{r['achieved_flops_per_s'] / 1e9:.2f} GFLOP/s, peak {r['peak_flops_per_s'] / 1e9:.1f} "
           f"GFLOP/s per {r['peak_scope']} x {r['peak_units']} ({r['peak_kind']}; median "
-          f"{r['peak_median_flops_per_s'] / 1e9:.1f}), MFU {100 * r['mfu']:.1f}%")
+          f"{r['peak_median_flops_per_s'] / 1e9:.1f}), MFU {100 * r['mfu']:.1f}%"
+          + (f" (paired by round: {100 * r['mfu_paired']:.1f}%)" if r["mfu_paired"] is not None else ""))
     print(f"  host malloc {r['allocator']}: {r['page_faults_per_step']:,} page faults per step (median)")
     note = hostmem.advice(r["page_faults_per_step"])
     if note:
