@@ -224,6 +224,36 @@ def test_capacity_groups_are_independent():
     assert not np.array_equal(np.asarray(kept_one), np.asarray(kept).reshape(48, -1))
 
 
+def test_capacity_groups_sharded_over_devices_need_no_communication():
+    """One dispatch group per device (what the trainer sets up): the dispatch, the experts
+    and the combine, forward and the input's gradient, stay on each device."""
+    import re
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n = 8
+    assert len(jax.devices()) >= n
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
+    parts = [_moe_setup(jax.random.PRNGKey(20 + g), T=24) for g in range(n)]
+    f = parts[0][3]
+    x, idx, w = (jnp.stack([p[i] for p in parts]) for i in range(3))
+    by_group = NamedSharding(mesh, P("data"))
+    x, idx, w = (jax.device_put(a, by_group) for a in (x, idx, w))
+    f = jax.device_put(f, NamedSharding(mesh, P()))
+
+    def loss(x, idx, w, f):
+        return jnp.sum(jnp.tanh(M.moe_capacity(x, idx, w, f, 3)[0]))
+
+    for fn in (jax.jit(lambda *a: M.moe_capacity(*a, 3)), jax.jit(jax.grad(loss))):
+        hlo = fn.lower(x, idx, w, f).compile().as_text()
+        collectives = re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(", hlo)
+        assert collectives == [], collectives
+    # and the sharded result is the per-group one
+    y, _ = jax.jit(lambda *a: M.moe_capacity(*a, 3))(x, idx, w, f)
+    y3, _ = M.moe_capacity(*parts[3][:3], f, 3)
+    np.testing.assert_allclose(y[3], y3, rtol=1e-12, atol=1e-12)
+
+
 def test_elu1_is_elu_plus_one_with_its_derivative_at_zero():
     u = jnp.array([-30.0, -2.0, -1e-3, 0.0, 1e-3, 2.0], jnp.float64)
     want = jnp.where(u > 0, u + 1.0, jnp.exp(u))          # ELU(α=1) + 1, as SPEC §3.1 defines it

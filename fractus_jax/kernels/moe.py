@@ -137,11 +137,10 @@ def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int):
     einsums keep the expert axis leading (a vmap over groups would put the group axis in
     front and cost a layout transpose per einsum in the backward).
 
-    Both gathers index flat row tables (every group's tokens, then every expert's slots)
-    with row numbers laid out in the order the next step reads them, so no activation is
-    transposed and no array carries a leading group axis of 1 (with one, XLA:CPU's
-    YNNPACK reduction behind the combine's backward ran ~10x slower: 1.2 against 0.11 ms
-    for a (1, 1024, 256) against a (1024, 256) sum of products).
+    The combine runs on (G·T, D) rows, not (G, T, D): with a leading group axis of 1 (one
+    group, the default on one device) XLA:CPU's YNNPACK reduction behind its backward ran
+    ~10x slower (1.2 against 0.11 ms for a (1, 1024, 256) against a (1024, 256) sum of
+    products). The gathers keep the group axis, which a multi-device mesh shards.
     """
     if x_TxD.ndim == 2:
         y, kept = moe_capacity(x_TxD[None], idx_TxK[None], w_TxK[None], f, capacity)
@@ -149,27 +148,20 @@ def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int):
     n_groups, n_tokens, top_k = idx_TxK.shape
     n_experts, d_model = f["b2"].shape
     slot_A, token_of_slot, kept_A = jax.vmap(lambda i: _dispatch(i, n_experts, capacity))(idx_TxK)
-    group = jnp.arange(n_groups, dtype=jnp.int32)
-
-    # Token rows: group g's tokens, then its zero row (index T), (G·(T+1), D).
-    x_rows = jnp.concatenate([x_TxD, jnp.zeros((n_groups, 1, d_model), x_TxD.dtype)], axis=1)
-    x_rows = x_rows.reshape(n_groups * (n_tokens + 1), d_model)
-    row_GxExC = (token_of_slot + group[:, None] * (n_tokens + 1)).reshape(n_groups, n_experts, capacity)
-    x_ExNxD = x_rows[row_GxExC.transpose(1, 0, 2).reshape(-1)].reshape(n_experts, n_groups * capacity, d_model)
-    out_ExNxD = experts_apply(x_ExNxD, f)
-
-    # Slot rows: expert e's G·capacity slots (group-major), then one zero row for dropped
-    # assignments; assignment (g, k, t) read in (k, g·T + t) order.
-    n_rows = n_experts * n_groups * capacity
-    out_rows = jnp.concatenate([out_ExNxD.reshape(n_rows, d_model), jnp.zeros((1, d_model), out_ExNxD.dtype)])
-    expert, slot = slot_A // capacity, slot_A % capacity
-    row_GxA = jnp.where(kept_A, (expert * n_groups + group[:, None]) * capacity + slot, n_rows)
-    row_KxN = row_GxA.reshape(n_groups, top_k, n_tokens).transpose(1, 0, 2).reshape(top_k, n_groups * n_tokens)
-    out_KxNxD = out_rows[row_KxN]
+    x_pad = jnp.concatenate([x_TxD, jnp.zeros((n_groups, 1, d_model), x_TxD.dtype)], axis=1)
+    x_GxExCxD = jnp.take_along_axis(x_pad, token_of_slot[..., None], axis=1).reshape(
+        n_groups, n_experts, capacity, d_model)
+    x_ExNxD = x_GxExCxD.transpose(1, 0, 2, 3).reshape(n_experts, n_groups * capacity, d_model)
+    out = experts_apply(x_ExNxD, f).reshape(n_experts, n_groups, capacity, d_model)
+    out = out.transpose(1, 0, 2, 3).reshape(n_groups, n_experts * capacity, d_model)
+    out_pad = jnp.concatenate([out, jnp.zeros((n_groups, 1, d_model), out.dtype)], axis=1)
+    out_GxKTxD = jnp.take_along_axis(out_pad, slot_A[..., None], axis=1)
+    out_GxKxTxD = out_GxKTxD.reshape(n_groups, top_k, n_tokens, d_model)
     kept_GxKxT = kept_A.reshape(n_groups, top_k, n_tokens)
-    weight_KxN = jnp.where(kept_GxKxT, w_TxK.transpose(0, 2, 1), 0.0).astype(out_ExNxD.dtype)
-    weight_KxN = weight_KxN.transpose(1, 0, 2).reshape(top_k, n_groups * n_tokens)
+    weight = jnp.where(kept_GxKxT, w_TxK.transpose(0, 2, 1), 0.0).astype(out.dtype)
     # A sum of K slices, not an einsum over k: XLA:CPU made that one a batched dot of
     # (1×K)·(K×D) products per token, forward and backward.
-    y_NxD = sum(weight_KxN[j][:, None] * out_KxNxD[j] for j in range(top_k))
+    rows = n_groups * n_tokens
+    y_NxD = sum(weight[:, j].reshape(rows)[:, None] * out_GxKxTxD[:, j].reshape(rows, d_model)
+                for j in range(top_k))
     return y_NxD.reshape(n_groups, n_tokens, d_model), kept_GxKxT.transpose(0, 2, 1)
