@@ -79,8 +79,55 @@ def gelu_tanh(u):
     return 0.5 * u * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * u ** 3)))
 
 
+def _factor_grad(a_ExNxA, g_ExNxR):
+    """Σ_n a[e, n]ᵀ g[e, n]: the (E, A, r) gradient of a factor, computed as (E, r, A) and
+    transposed. XLA folds a plain transpose into the product and emits a batched dot that
+    contracts over the rows of both operands into the (A, r) layout, which XLA:CPU runs
+    off its matmul library (~30 GFLOP/s at the bench_small shapes); the (r, A) product is
+    a library call (~90), and the barrier keeps the transpose of the small result apart."""
+    g_ExRxA = jnp.einsum("enr,ena->era", g_ExNxR, a_ExNxA)
+    return jax.lax.optimization_barrier(g_ExRxA).transpose(0, 2, 1)
+
+
+@jax.custom_vjp
+def rows_down(x_ExNxA, w_ExAxR):
+    """x[e] · w[e]: each expert's rows onto its rank-r factor, (E, N, r)."""
+    return jnp.einsum("ena,ear->enr", x_ExNxA, w_ExAxR)
+
+
+def _rows_down_fwd(x_ExNxA, w_ExAxR):
+    return rows_down(x_ExNxA, w_ExAxR), (x_ExNxA, w_ExAxR)
+
+
+def _rows_down_bwd(residuals, dy_ExNxR):
+    x_ExNxA, w_ExAxR = residuals
+    return jnp.einsum("enr,ear->ena", dy_ExNxR, w_ExAxR), _factor_grad(x_ExNxA, dy_ExNxR)
+
+
+rows_down.defvjp(_rows_down_fwd, _rows_down_bwd)
+
+
+@jax.custom_vjp
+def rows_up(h_ExNxR, w_ExAxR):
+    """h[e] · w[e]ᵀ: each expert's rank-r rows back up through its factor, (E, N, A)."""
+    return jnp.einsum("enr,ear->ena", h_ExNxR, w_ExAxR)
+
+
+def _rows_up_fwd(h_ExNxR, w_ExAxR):
+    return rows_up(h_ExNxR, w_ExAxR), (h_ExNxR, w_ExAxR)
+
+
+def _rows_up_bwd(residuals, dy_ExNxA):
+    h_ExNxR, w_ExAxR = residuals
+    return jnp.einsum("ena,ear->enr", dy_ExNxA, w_ExAxR), _factor_grad(dy_ExNxA, h_ExNxR)
+
+
+rows_up.defvjp(_rows_up_fwd, _rows_up_bwd)
+
+
 def experts_apply(x_ExNxD, f):
-    """Each expert e on its own rows x[e]: the four low-rank einsums.
+    """Each expert e on its own rows x[e]: the four low-rank products (rows_down, rows_up:
+    their backward is written out for the factors' gradients, see _factor_grad).
 
     The scales multiply the (F, r) and (D, r) factors rather than the (rows, F) and
     (rows, D) products (equal up to rounding): a pass over the small factors instead of
@@ -89,10 +136,10 @@ def experts_apply(x_ExNxD, f):
     """
     U1 = f["scale1"] * f["U1"]
     U2 = f["scale2"] * f["U2"]
-    h = jnp.einsum("end,edr->enr", x_ExNxD, f["V1"])
-    u = gelu_tanh(jnp.einsum("enr,efr->enf", h, U1) + f["b1"][:, None, :])
-    h = jnp.einsum("enf,efr->enr", u, f["V2"])
-    return jnp.einsum("enr,edr->end", h, U2) + f["b2"][:, None, :]
+    h = rows_down(x_ExNxD, f["V1"])
+    u = gelu_tanh(rows_up(h, U1) + f["b1"][:, None, :])
+    h = rows_down(u, f["V2"])
+    return rows_up(h, U2) + f["b2"][:, None, :]
 
 
 def moe_exact(x_TxD, idx_TxK, w_TxK, f):
