@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from fractus_jax import hostmem
 from fractus_jax.bench.__main__ import main
 
 
@@ -50,6 +51,7 @@ def test_train_bench_reports_ids_per_s_and_mfu(capsys):
     assert "sampled between the steps" in r["peak_kind"]
     assert r["allocator"] in ("glibc", "tcmalloc", "jemalloc", "mimalloc", "unknown")
     assert r["page_faults_per_step"] >= 0
+    assert r["malloc_hugetlb"] is hostmem.hugetlb_tunable()
 
 
 def test_paired_mfu_pairs_each_round_with_the_peak_sampled_after_it():

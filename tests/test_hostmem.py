@@ -66,3 +66,36 @@ def test_with_tcmalloc_without_the_library_runs_nothing_and_says_how_to_install(
                        env={"PATH": str(tmp_path)}, capture_output=True, text=True)
     assert r.returncode == 3 and "apt-get install libtcmalloc-minimal4" in r.stderr
     assert not marker.exists()
+
+
+def test_thp_mode_reads_the_bracketed_word(tmp_path):
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert hostmem.thp_mode(str(f)) == "madvise"
+    f.write_text("always madvise [never]\n")
+    assert hostmem.thp_mode(str(f)) == "never"
+    assert hostmem.thp_mode(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("tunables, on", [
+    ("", False), ("glibc.malloc.hugetlb=1", True), ("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=2", True),
+    ("glibc.malloc.hugetlb=0", False), ("glibc.malloc.hugetlb=10", False),
+])
+def test_hugetlb_tunable_is_read_from_the_environment(monkeypatch, tunables, on):
+    monkeypatch.setenv("GLIBC_TUNABLES", tunables)
+    assert hostmem.hugetlb_tunable() is on
+
+
+def test_advice_offers_glibc_huge_pages_only_where_they_can_help(monkeypatch):
+    monkeypatch.setattr(hostmem, "allocator", lambda: "glibc")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    for mode, offered in (("madvise", True), ("always", True), ("never", False), (None, False)):
+        monkeypatch.setattr(hostmem, "thp_mode", lambda mode=mode: mode)
+        note = hostmem.advice(65_000)
+        assert "with_tcmalloc" in note
+        assert (hostmem.HUGETLB_TUNABLE in note) is offered, mode
+    # already started with it: tcmalloc is still offered, the tunable no longer
+    monkeypatch.setattr(hostmem, "thp_mode", lambda: "madvise")
+    monkeypatch.setenv("GLIBC_TUNABLES", hostmem.HUGETLB_TUNABLE)
+    note = hostmem.cpu_training_note("cpu")
+    assert "with_tcmalloc" in note and "GLIBC_TUNABLES" not in note

@@ -189,7 +189,8 @@ def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict
            "ms_per_step": jax_res["ms_per_step"], "compile_s": jax_res["compile_s"],
            "ids_per_step": ids_per_step, "devices": n_dev, "backend": backend,
            "device_kind": jax.devices()[0].device_kind, "cores": timing.cpu_cores(),
-           "allocator": hostmem.allocator(), "page_faults_per_step": jax_res["page_faults_per_step"]}
+           "allocator": hostmem.allocator(), "malloc_hugetlb": hostmem.hugetlb_tunable(),
+           "page_faults_per_step": jax_res["page_faults_per_step"]}
     paired = _paired_mfu(jax_res["step_s"], rounds, ids_per_step * flops_per_id, peak_flops)
     out["mfu_paired"] = paired / peak_units if paired is not None else None
     if with_torch:
@@ -242,7 +243,8 @@ def main(argv=None) -> int:
           f"GFLOP/s per {r['peak_scope']} x {r['peak_units']} ({r['peak_kind']}; median "
           f"{r['peak_median_flops_per_s'] / 1e9:.1f}), MFU {100 * r['mfu']:.1f}%"
           + (f" (paired by round: {100 * r['mfu_paired']:.1f}%)" if r["mfu_paired"] is not None else ""))
-    print(f"  host malloc {r['allocator']}: {r['page_faults_per_step']:,} page faults per step (median)")
+    pages = f" ({hostmem.HUGETLB_TUNABLE})" if r["malloc_hugetlb"] else ""
+    print(f"  host malloc {r['allocator']}{pages}: {r['page_faults_per_step']:,} page faults per step (median)")
     note = hostmem.advice(r["page_faults_per_step"])
     if note:
         print("  " + note)
