@@ -17,6 +17,7 @@ Expert factors (a dict): U1 (E,F,r), V1 (E,D,r), U2 (E,D,r), V2 (E,F,r), scale1,
 """
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -89,40 +90,37 @@ def _factor_grad(a_ExNxA, g_ExNxR):
     return jax.lax.optimization_barrier(g_ExRxA).transpose(0, 2, 1)
 
 
-@jax.custom_vjp
+_PRODUCT = {True: "ena,ear->enr", False: "enr,ear->ena"}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _factor_product(rows, w_ExAxR, down: bool):
+    return jnp.einsum(_PRODUCT[down], rows, w_ExAxR)
+
+
+def _factor_product_fwd(rows, w_ExAxR, down):
+    return _factor_product(rows, w_ExAxR, down), (rows, w_ExAxR)
+
+
+def _factor_product_bwd(down, residuals, dy):
+    rows, w_ExAxR = residuals
+    # The rows' gradient is the product the other way; the factor's pairs its A side
+    # (the rows going down, the cotangent going up) with its r side.
+    d_rows = jnp.einsum(_PRODUCT[not down], dy, w_ExAxR)
+    return d_rows, (_factor_grad(rows, dy) if down else _factor_grad(dy, rows))
+
+
+_factor_product.defvjp(_factor_product_fwd, _factor_product_bwd)
+
+
 def rows_down(x_ExNxA, w_ExAxR):
     """x[e] · w[e]: each expert's rows onto its rank-r factor, (E, N, r)."""
-    return jnp.einsum("ena,ear->enr", x_ExNxA, w_ExAxR)
+    return _factor_product(x_ExNxA, w_ExAxR, True)
 
 
-def _rows_down_fwd(x_ExNxA, w_ExAxR):
-    return rows_down(x_ExNxA, w_ExAxR), (x_ExNxA, w_ExAxR)
-
-
-def _rows_down_bwd(residuals, dy_ExNxR):
-    x_ExNxA, w_ExAxR = residuals
-    return jnp.einsum("enr,ear->ena", dy_ExNxR, w_ExAxR), _factor_grad(x_ExNxA, dy_ExNxR)
-
-
-rows_down.defvjp(_rows_down_fwd, _rows_down_bwd)
-
-
-@jax.custom_vjp
 def rows_up(h_ExNxR, w_ExAxR):
     """h[e] · w[e]ᵀ: each expert's rank-r rows back up through its factor, (E, N, A)."""
-    return jnp.einsum("enr,ear->ena", h_ExNxR, w_ExAxR)
-
-
-def _rows_up_fwd(h_ExNxR, w_ExAxR):
-    return rows_up(h_ExNxR, w_ExAxR), (h_ExNxR, w_ExAxR)
-
-
-def _rows_up_bwd(residuals, dy_ExNxA):
-    h_ExNxR, w_ExAxR = residuals
-    return jnp.einsum("ena,ear->enr", dy_ExNxA, w_ExAxR), _factor_grad(dy_ExNxA, h_ExNxR)
-
-
-rows_up.defvjp(_rows_up_fwd, _rows_up_bwd)
+    return _factor_product(h_ExNxR, w_ExAxR, False)
 
 
 def experts_apply(x_ExNxD, f):
