@@ -10,8 +10,8 @@ process's, chosen when it starts (LD_PRELOAD), so this module only detects and a
 `scripts/with_tcmalloc CMD...` runs a command with it. Without tcmalloc, glibc itself can
 back its large blocks with 2 MiB transparent huge pages when the process starts with
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35, the kernel's THP mode `madvise` or
-`always`): ~200 faults per step instead of 65k, the pages still zeroed; 1.15-1.37x faster
-steps than plain glibc in the runs of docs/performance.md, tcmalloc 1.4-1.5x.
+`always`): ~200 faults per step instead of 65k, the pages still zeroed; 1.15-1.38x faster
+steps than plain glibc in the runs of docs/performance.md, tcmalloc 1.34-1.49x in the same runs.
 """
 from __future__ import annotations
 

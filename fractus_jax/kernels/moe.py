@@ -82,10 +82,10 @@ def gelu_tanh(u):
 
 def _factor_grad(a_ExNxA, g_ExNxR):
     """Σ_n a[e, n]ᵀ g[e, n]: the (E, A, r) gradient of a factor, computed as (E, r, A) and
-    transposed. XLA folds a plain transpose into the product and emits a batched dot that
-    contracts over the rows of both operands into the (A, r) layout, which XLA:CPU runs
-    off its matmul library (~30 GFLOP/s at the bench_small shapes); the (r, A) product is
-    a library call (~90), and the barrier keeps the transpose of the small result apart."""
+    transposed. Both are batched dots contracting the rows of both operands, which XLA:CPU
+    runs outside YNNPACK; with the narrow r side as the output's rows it ran 1.6-2.8x faster at
+    the bench_small shapes (0.51 against 1.42 ms for A = 256, docs/performance.md). XLA
+    folds a plain transpose back into the product, so a barrier keeps it apart."""
     g_ExRxA = jnp.einsum("enr,ena->era", g_ExNxR, a_ExNxA)
     return jax.lax.optimization_barrier(g_ExRxA).transpose(0, 2, 1)
 
