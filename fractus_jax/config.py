@@ -56,6 +56,13 @@ class EngineConfig:
     # keep each layer's saved activations in their own buffers instead of copying them into
     # stacked ones (a third of a bench_small step on CPU); compile time grows with it.
     scan_unroll: int = 1
+    # Independent row streams: the batch runs as this many row slices, each through every
+    # layer on its own, so that XLA:CPU runs them on different cores at once. Only the
+    # load-balance term joins them (P_e stays the mean over every token). A stream holds
+    # whole MoE dispatch groups, so row_streams > 1 needs moe_group_rows set (checked
+    # where the batch is known). Execution only: the numbers are one stream's with the
+    # same groups.
+    row_streams: int = 1
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -68,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
         if self.scan_unroll < 1:
             raise ValueError(f"scan_unroll must be >= 1, got {self.scan_unroll}")
+        if self.row_streams < 1:
+            raise ValueError(f"row_streams must be >= 1, got {self.row_streams}")
         if self.attn_block_size < 1:
             raise ValueError(f"attn_block_size must be >= 1, got {self.attn_block_size}")
         if self.compute_dtype not in ("float32", "bfloat16", "float16", "float64"):

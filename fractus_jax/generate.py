@@ -107,7 +107,7 @@ def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_
     except ValueError as e:
         raise GenerateError(str(e)) from e
     if exact_routing:
-        cfg = cfg.replace(capacity_factor=None, moe_group_rows=0)
+        cfg = cfg.replace(capacity_factor=None, moe_group_rows=0, row_streams=1)
     encoded, batch = encode_prompts(prompts)
     prompt_ids = jnp.asarray(batch)
     key = jax.random.PRNGKey(int(seed))

@@ -232,7 +232,9 @@ def _qkv_features_bwd(n_heads, mm_dtype, residuals, cotangents):
     B, C, D = x_BxCxD.shape
     dq = sum(d * jnp.minimum(f, 1.0) for d, f in zip(dqf, qf))
     dk = sum(d * jnp.minimum(f, 1.0) for d, f in zip(dkf, kf))
-    d_BxCx3D = jnp.concatenate([g.transpose(0, 2, 1, 3).reshape(B, C, D) for g in (dq, dk, dv)], -1)
+    # One stack-and-transpose out of the heads layout: XLA fuses it (with the feature
+    # derivatives) into one loop, where three transposes and a concatenation were four.
+    d_BxCx3D = jnp.stack([dq, dk, dv], 2).transpose(0, 3, 2, 1, 4).reshape(B, C, 3 * D)
     d_mm = d_BxCx3D.astype(mm_dtype)
     w = w_Dx3xD.reshape(D, 3 * D).astype(mm_dtype)
     dx = (d_mm @ w.T).astype(x_BxCxD.dtype)
@@ -297,7 +299,7 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, mm_dtype):
                                  w.reshape(n_groups, T, K).astype(mm_dtype), factors, capacity)
     hits = jnp.einsum("tk,tke->e", kept.reshape(-1, K).astype(jnp.float32),
                       jax.nn.one_hot(idx.reshape(-1, K), E, dtype=jnp.float32))
-    stats = (moe_k.load_balance(g), kept.mean(dtype=jnp.float32), hits, g.reshape(-1, E).mean(0), idx)
+    stats = (kept.mean(dtype=jnp.float32), hits, g.reshape(-1, E).mean(0), idx)
     return y.reshape(B, C, D).astype(x_BxCxD.dtype), stats
 
 
@@ -333,8 +335,8 @@ def embed(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
     return h, reset
 
 
-def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
-    """The chunk forward up to the last hidden state: (h (B, C, D), Aux, new_state)."""
+def _stream_forward(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats):
+    """Embedding and every layer for one slice of rows: (h, new_state, per-layer stats)."""
     acc, mm_dtype = _dtypes(params, cfg)
     h, reset = embed(params, state, ids_BxC, cfg, feats)
 
@@ -346,9 +348,41 @@ def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, fea
     if cfg.remat:
         layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
     carry_in = (state["S"].astype(acc), state["z"].astype(acc), state["phase"].astype(acc))
-    h, (S, z, phase, (lb, keep, hits, gate_mean, idx)) = jax.lax.scan(
-        layer, h, (params["blocks"], *carry_in), unroll=cfg.scan_unroll)
-    new_state = {"thought": jax.lax.stop_gradient(h[:, -1]), "S": S, "z": z, "phase": phase}
+    h, (S, z, phase, stats) = jax.lax.scan(layer, h, (params["blocks"], *carry_in), unroll=cfg.scan_unroll)
+    return h, {"thought": jax.lax.stop_gradient(h[:, -1]), "S": S, "z": z, "phase": phase}, stats
+
+
+_STATE_ROW_AXIS = {"thought": 0, "S": 1, "z": 1, "phase": 1}
+
+
+def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
+    """The chunk forward up to the last hidden state: (h (B, C, D), Aux, new_state).
+
+    With cfg.row_streams = n the rows run as n independent slices (their own embedding,
+    layers and state), joined only by the load balance, whose P_e is the mean of the
+    streams' (equal row counts: the mean over every token)."""
+    B = ids_BxC.shape[0]
+    n = cfg.row_streams
+    rows = B // n
+    if n > 1 and (B % n or cfg.moe_group_rows == 0 or rows % cfg.moe_group_rows):
+        raise ValueError(f"batch {B} does not split into {n} row streams of whole MoE dispatch "
+                         f"groups (moe_group_rows={cfg.moe_group_rows}; 0 makes the batch one group)")
+    outs = []
+    for i in range(n):
+        part = slice(i * rows, (i + 1) * rows)
+        st = {k: jax.lax.slice_in_dim(v, i * rows, (i + 1) * rows, axis=_STATE_ROW_AXIS[k])
+              for k, v in state.items()}
+        outs.append(_stream_forward(params, st, ids_BxC[part], cfg, None if feats is None else feats[part]))
+    if n == 1:
+        h, new_state, (keep, hits, gate_mean, idx) = outs[0]
+    else:
+        h = jnp.concatenate([o[0] for o in outs], 0)
+        new_state = {k: jnp.concatenate([o[1][k] for o in outs], _STATE_ROW_AXIS[k]) for k in state}
+        keep = sum(o[2][0] for o in outs) / n
+        hits = sum(o[2][1] for o in outs)
+        gate_mean = sum(o[2][2] for o in outs) / n
+        idx = jnp.concatenate([o[2][3] for o in outs], 1)
+    lb = moe_k.load_balance_of_means(gate_mean)                    # (layers,)
     aux = Aux(lb=lb.sum(), lb_per_layer=lb, keep_rate=keep, expert_hits=hits, gate_mean=gate_mean,
               expert_idx=idx)
     return h, aux, new_state

@@ -126,7 +126,8 @@ def trained_dir(corpus_file, tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("case", ["bad_id", "missing_corpus", "start_token_0", "batch_change", "vocab_change"])
+@pytest.mark.parametrize("case", ["bad_id", "missing_corpus", "start_token_0", "batch_change", "vocab_change",
+                                  "row_streams", "row_streams_on_a_mesh"])
 def test_refusals_exit_nonzero_without_traceback_and_touch_nothing(case, corpus_file, trained_dir, tmp_path):
     workdir = tmp_path / "fresh"
     overrides = [f"corpus={corpus_file}", "max_steps=4"]
@@ -137,6 +138,12 @@ def test_refusals_exit_nonzero_without_traceback_and_touch_nothing(case, corpus_
         ids.tofile(bad)
         overrides[0] = f"corpus={bad}"
         expect = ["1234", "300", str(bad)]
+    elif case == "row_streams":
+        overrides += ["model.row_streams=3", "model.moe_group_rows=1"]
+        expect = ["row_streams=3", "batch_size 4"]
+    elif case == "row_streams_on_a_mesh":
+        overrides += ["model.row_streams=2", "model.moe_group_rows=1", "mesh.data=2"]
+        expect = ["row_streams=2", "one device", "2 devices"]
     elif case == "missing_corpus":
         overrides[0] = f"corpus={tmp_path / 'nope.u16'}"
         expect = ["nope.u16"]

@@ -118,19 +118,28 @@ def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64):
     # What each block adds to a zero state, then the state after each block by the recurrence
     # S_b = g_b·S_{b-1} + ΔS_b (g_b = 0 when block b holds a reset), as an associative scan.
     k_last = k * in_last_seg[..., None]
-    dS = jnp.einsum("...id,...ie->...de", k_last, v)                  # (..., [n,] dH, dH)
-    dz = k_last.sum(-2)                                                 # (..., [n,] dH)
     gate = from_carry[..., -1][..., None, None]                         # (..., [n,] 1, 1)
     if blocked:
-        g, S_zero, z_zero = jax.lax.associative_scan(_combine_blocks, (gate, dS, dz), axis=nb)
-        S_after = S_zero + g * S0[..., None, :, :]                      # state after block b
-        z_after = z_zero + g[..., 0] * z0[..., None, :]
-        S_in = jnp.concatenate([S0[..., None, :, :], S_after[..., :-1, :, :]], axis=nb)
-        z_in = jnp.concatenate([z0[..., None, :], z_after[..., :-1, :]], axis=nb)  # entering b
-        S_out, z_out = S_after[..., -1, :, :], z_after[..., -1, :]
+        # The states entering blocks 1..n-1 need the ΔS of blocks 0..n-2 only; the last
+        # block's ΔS reaches the final state alone. Kept apart, it drops out of the backward
+        # when the final state gets no gradient (the engine detaches its carry), instead of
+        # being differentiated with a zero cotangent.
+        head = (Ellipsis, slice(None, -1), slice(None), slice(None))
+        dS = jnp.einsum("...id,...ie->...de", k_last[head], v[head])   # (..., n-1, dH, dH)
+        dz = k_last[head].sum(-2)                                      # (..., n-1, dH)
+        g, S_zero, z_zero = jax.lax.associative_scan(
+            _combine_blocks, (gate[..., :-1, :, :], dS, dz), axis=nb)
+        S_enter = S_zero + g * S0[..., None, :, :]                    # entering blocks 1..n-1
+        z_enter = z_zero + g[..., 0] * z0[..., None, :]
+        S_in = jnp.concatenate([S0[..., None, :, :], S_enter], axis=nb)
+        z_in = jnp.concatenate([z0[..., None, :], z_enter], axis=nb)
+        k_end, v_end, g_end = k_last[..., -1, :, :], v[..., -1, :, :], gate[..., -1, :, :]
+        S_out = jnp.einsum("...id,...ie->...de", k_end, v_end) + g_end * S_enter[..., -1, :, :]
+        z_out = k_end.sum(-2) + g_end[..., 0] * z_enter[..., -1, :]
     else:
         S_in, z_in = S0, z0
-        S_out, z_out = dS + gate * S0, dz + gate[..., 0] * z0
+        S_out = jnp.einsum("...id,...ie->...de", k_last, v) + gate * S0
+        z_out = k_last.sum(-2) + gate[..., 0] * z0
 
     num = num + from_carry[..., None] * jnp.einsum("...jd,...de->...je", q, S_in)
     den = den + from_carry * jnp.einsum("...jd,...d->...j", q, z_in)

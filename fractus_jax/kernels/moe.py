@@ -71,9 +71,13 @@ def top_k_route(g, top_k: int):
 
 def load_balance(g):
     """E·Σ_e (P_e − 1/E)², P_e the mean gate over every token of g (..., E)."""
-    n_experts = g.shape[-1]
-    P = g.reshape(-1, n_experts).mean(0)
-    return n_experts * jnp.sum((P - 1.0 / n_experts) ** 2)
+    return load_balance_of_means(g.reshape(-1, g.shape[-1]).mean(0))
+
+
+def load_balance_of_means(P):
+    """The load balance from the mean gates P (..., E): E·Σ_e (P_e − 1/E)² over the last axis."""
+    n_experts = P.shape[-1]
+    return n_experts * jnp.sum((P - 1.0 / n_experts) ** 2, -1)
 
 
 def gelu_tanh(u):

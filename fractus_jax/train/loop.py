@@ -118,6 +118,14 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
     rows = cfg.model.moe_group_rows
     if rows and (cfg.batch_size // n) % rows:
         raise TrainError(f"model.moe_group_rows={rows} does not divide the {cfg.batch_size // n} rows per device")
+    streams = cfg.model.row_streams
+    if streams > 1 and n > 1:
+        raise TrainError(f"model.row_streams={streams} is for one device: a mesh of {n} devices "
+                         "already runs its rows apart (set model.row_streams=1)")
+    if streams > 1 and (rows == 0 or cfg.batch_size % (streams * rows)):
+        raise TrainError(f"batch_size {cfg.batch_size} does not split into model.row_streams={streams} "
+                         f"streams of whole MoE dispatch groups (model.moe_group_rows={rows}; "
+                         "0 makes the batch one group)")
     if workdir.exists() and not workdir.is_dir():
         raise TrainError(f"workdir {workdir} exists and is not a directory")
     manifest = ckpt_lib.read_manifest(workdir) if workdir.exists() else None

@@ -69,8 +69,9 @@ def _ar_eval(params, rows, cfg):
 class Prober:
     def __init__(self, cfg: TrainConfig, corpus):
         # The probes run their own few rows on one device: the training batch's per-device
-        # dispatch groups (moe_group_rows, set by resolve_for_mesh) need not divide them.
-        self.cfg = cfg.model.replace(moe_group_rows=0)
+        # dispatch groups (moe_group_rows, set by resolve_for_mesh) and row streams need not
+        # divide them.
+        self.cfg = cfg.model.replace(moe_group_rows=0, row_streams=1)
         # Decoding feeds chunks of a few tokens: capacity would drop their assignments.
         self.decode_cfg = self.cfg.replace(capacity_factor=None)
         self.rows = jnp.asarray(_probe_rows(corpus, PROBE_ROWS, max(PROBE_LEN, WARM + FREE)))
