@@ -190,7 +190,9 @@ def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict
            "ids_per_step": ids_per_step, "devices": n_dev, "backend": backend,
            "device_kind": jax.devices()[0].device_kind, "cores": timing.cpu_cores(),
            "allocator": hostmem.allocator(), "malloc_hugetlb": hostmem.hugetlb_tunable(),
-           "page_faults_per_step": jax_res["page_faults_per_step"]}
+           "page_faults_per_step": jax_res["page_faults_per_step"],
+           # how the step is scheduled: row streams and the MoE dispatch groups they imply
+           "row_streams": cfg.model.row_streams, "moe_group_rows": cfg.model.moe_group_rows}
     paired = _paired_mfu(jax_res["step_s"], rounds, ids_per_step * flops_per_id, peak_flops)
     out["mfu_paired"] = paired / peak_units if paired is not None else None
     if with_torch:
@@ -236,7 +238,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = step_config(args)
     r = run(cfg, args.steps, args.warmup, args.torch)
-    print(f"{args.config} on {r['devices']} x {r['device_kind']} ({r['backend']}, {r['cores']} cores): "
+    streams = f", {r['row_streams']} row streams" if r["row_streams"] > 1 else ""
+    print(f"{args.config} on {r['devices']} x {r['device_kind']} ({r['backend']}, {r['cores']} cores{streams}): "
           f"{r['ms_per_step']:.1f} ms/step, {r['ids_per_s']:.0f} ids/s (compile {r['compile_s']:.1f} s)")
     print(f"  {r['flops_per_id'] / 1e6:.2f} MFLOP/id (analytic, train), achieved "
           f"{r['achieved_flops_per_s'] / 1e9:.2f} GFLOP/s, peak {r['peak_flops_per_s'] / 1e9:.1f} "
