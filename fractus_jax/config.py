@@ -61,8 +61,8 @@ class EngineConfig:
     # load-balance term joins them (P_e stays the mean over every token). A stream holds
     # whole MoE dispatch groups, so row_streams > 1 needs moe_group_rows set (checked
     # where the batch is known). Execution only: the numbers are one stream's with the
-    # same groups. It pays with the layer loop unrolled (scan_unroll = n_layers): XLA:CPU
-    # ran two streams' layer loops one after the other (docs/training.md).
+    # same groups. It pays with the layer loop unrolled (scan_unroll = n_layers); with
+    # the loop kept, two streams ran slower than one (smoke, docs/training.md).
     row_streams: int = 1
 
     def __post_init__(self):
