@@ -91,6 +91,24 @@ def test_accumulation_equals_one_gradient_of_the_summed_chunks(corpus_file):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), grads, want)
 
 
+def test_row_streams_train_step_equals_one_stream(corpus_file):
+    """The trainer's whole step (both passes, clipping, optimizer) with two row streams
+    gives the one-stream step's state and metrics (same dispatch groups, float32)."""
+    # SGD: Adam's step normalises a near-zero gradient's rounding into a full-size update
+    one = tiny(corpus_file, "model.moe_group_rows=2", "model.scan_unroll=2", "ss_rate=1",
+               "optimizer=sgd", "lr=0.05")
+    two = cfg_lib.apply_overrides(one, ["model.row_streams=2"])
+    state, _ = state_lib.create_train_state(one, sharding.make_mesh(), jax.random.PRNGKey(0))
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 266, (1, one.batch_size, one.seq_len + 1)), jnp.int32)
+    outs = [jax.jit(step_lib.make_train_step(c))(state, {"ids": ids}) for c in (one, two)]
+    (s1, m1), (s2, m2) = outs
+    assert int(m1["ss_ran"]) == 1 and float(m1["keep_rate"]) < 1.0
+    assert float(jnp.abs(s1["params"]["blocks"]["moe"]["U1"] - state["params"]["blocks"]["moe"]["U1"]).max()) > 1e-6
+    # float32: other shapes round differently; each array within 1e-5 of its own scale
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(np.asarray(b, np.float64)).max()))), (s1, m1), (s2, m2))
+
+
 def test_non_finite_gradient_skips_the_update(corpus_file):
     cfg = tiny(corpus_file)
     mesh = sharding.make_mesh()
