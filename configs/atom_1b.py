@@ -1,4 +1,4 @@
-"""The Atom 1B run (SPEC §1): AdamW 3e-4, 800 warmup steps, bfloat16 compute, block remat."""
+"""The Atom 1B run (docs/spec.md §1): AdamW 3e-4, 800 warmup steps, bfloat16 compute, block remat."""
 from fractus_jax import config
 from fractus_jax.train.config import TrainConfig
 

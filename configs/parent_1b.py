@@ -1,4 +1,4 @@
-"""The parent x8 GPT-2 run (SPEC §1): SGD momentum 0.9 at 7e-4, as the older PyTorch runs."""
+"""The parent x8 GPT-2 run (docs/spec.md §1): SGD momentum 0.9 at 7e-4, as the older PyTorch runs."""
 from fractus_jax import config
 from fractus_jax.train.config import TrainConfig
 

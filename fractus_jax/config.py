@@ -39,7 +39,7 @@ class EngineConfig:
     kuramoto_damping: float = 0.01
     moe_kappa: float = 4.0
     ln_eps: float = 1e-5
-    # Id whose presence at position t zeroes a row's carried state entering t (SPEC §4);
+    # Id whose presence at position t zeroes a row's carried state entering t (docs/spec.md §4);
     # None disables document resets (the parent's GPT-2 stream has no BOS).
     bos_id: Optional[int] = ATOM_BOS
     atom_feat_dim: int = 320

@@ -1,4 +1,4 @@
-"""The pure, jit-compiled decode core (SPEC §4 "Decoding"): two modes, one chunk forward.
+"""The pure, jit-compiled decode core (docs/spec.md §4 "Decoding"): two modes, one chunk forward.
 
 `decode_ids` runs the whole decode loop inside one `lax.while_loop` (no host round trip
 per id) on a batch of equal-length prompts and is usable from inside a jitted trainer

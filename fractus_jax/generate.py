@@ -4,7 +4,7 @@
         [--step N] [--max-new 40] [--mode step|window] [--window 64]
         [--temperature 0] [--top-k 0] [--seed 0] [--json]
 
-Each prompt is encoded with ``atom.encode_open`` (SPEC §5: BOS, its committed packets,
+Each prompt is encoded with ``atom.encode_open`` (docs/spec.md §5: BOS, its committed packets,
 the unfinished tail's bytes), then `fractus_jax.decode.decode_ids` decodes inside one
 jitted loop (see that module for the two modes). Several prompts run as ONE batch: they
 are left-padded with PAD to the longest. The padding is invisible, not an approximation:

@@ -1,4 +1,4 @@
-"""The Fractus engine: parameters, carried state and the chunk forward (SPEC §2-4).
+"""The Fractus engine: parameters, carried state and the chunk forward (docs/spec.md §2-4).
 
 Parameters are a nested dict whose leaves mirror the PyTorch state-dict names
 (fractus_jax/convert/names.py declares the map); the blocks' tensors are stacked along a
@@ -24,7 +24,7 @@ from fractus_jax.kernels import attention as attn_k
 from fractus_jax.kernels import kuramoto as kur_k
 from fractus_jax.kernels import moe as moe_k
 
-BOUNDARY_IDS = (259, 265)  # atom features enter at boundary ids, inclusive range (SPEC §5)
+BOUNDARY_IDS = (259, 265)  # atom features enter at boundary ids, inclusive range (docs/spec.md §5)
 BUFFER_NAMES = ("level_offsets", "expert_phases")
 GOLDEN = (1.0 + math.sqrt(5.0)) / 2.0
 
@@ -92,7 +92,7 @@ def _init_block(cfg: EngineConfig, key, dtype) -> Params:
 
 
 def init_params(cfg: EngineConfig, key, dtype=jnp.float32) -> Params:
-    """Fresh parameters as SPEC §2 initialises them, blocks stacked on a leading axis."""
+    """Fresh parameters as docs/spec.md §2 initialises them, blocks stacked on a leading axis."""
     D = cfg.d_model
     k_obs, k_blocks, k_conf, k_sal = jax.random.split(key, 4)
     embed_std = 0.02 if cfg.is_atom else 1.0

@@ -6,7 +6,7 @@ def move_off_init(params, key, scale=0.3):
     """Random LayerNorm weights/biases and nonzero level logits / expert biases.
 
     Fresh-init LayerNorm biases are exactly zero, which makes the parent's mean-phase
-    encoding pure rounding noise (SPEC §3.2 trap) and hides bugs in the bias paths; the
+    encoding pure rounding noise (docs/spec.md §3.2 trap) and hides bugs in the bias paths; the
     kuramoto bias is shifted well away from zero mean.
     """
     blocks = dict(params["blocks"])

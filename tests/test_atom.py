@@ -1,5 +1,5 @@
-"""The Atom id stream (SPEC section 5): worked examples id for id, round trips,
-the fast encoder against the SPEC's literal loop, and the packet features."""
+"""The Atom id stream (docs/spec.md §5): worked examples id for id, round trips,
+the fast encoder against the spec's literal loop, and the packet features."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +19,7 @@ def run(text):
     return list(text.encode())
 
 
-# ---- the SPEC's worked examples, id for id ------------------------------------
+# ---- the spec's worked examples, id for id ------------------------------------
 
 def test_spec_example_bonjour():
     want = ([257] + run("Bonjour,") + [260] + run(" ") + [259] + run("le ") + [259]
@@ -108,7 +108,7 @@ def test_render_shows_specials():
     assert atom.render(atom.encode("a b")) == "⟨BOS⟩a ⟨ws⟩b⟨fl⟩⟨EOS⟩"
 
 
-# ---- the fast path against the SPEC loop ----------------------------------------
+# ---- the fast path against the spec loop ----------------------------------------
 
 def test_every_byte_and_pair_matches_reference():
     rng = np.random.default_rng(0)

@@ -55,7 +55,7 @@ def test_step_and_window_are_different_computations(random64):
         _check_output(*out[m], N)
         assert (out[m][2] == N).all()                       # no EOS drawn: the hand loops need not stop
         assert len(np.unique(out[m][0])) > N                # varied ids, not one id repeated
-    # the carried state (step) and the zero-state window see different things (SPEC §4)
+    # the carried state (step) and the zero-state window see different things (docs/spec.md §4)
     assert np.abs(out["step"][1] - out["window"][1]).max() > 1e-4
     assert not np.array_equal(out["step"][0], out["window"][0])
 

@@ -284,7 +284,7 @@ def test_capacity_groups_sharded_over_devices_need_no_communication():
 
 def test_elu1_is_elu_plus_one_with_its_derivative_at_zero():
     u = jnp.array([-30.0, -2.0, -1e-3, 0.0, 1e-3, 2.0], jnp.float64)
-    want = jnp.where(u > 0, u + 1.0, jnp.exp(u))          # ELU(α=1) + 1, as SPEC §3.1 defines it
+    want = jnp.where(u > 0, u + 1.0, jnp.exp(u))          # ELU(α=1) + 1, as docs/spec.md §3.1 defines it
     np.testing.assert_allclose(A.elu1(u), want, rtol=1e-15)
     d = jax.vmap(jax.grad(A.elu1))(u)
     np.testing.assert_allclose(d, jnp.where(u > 0, 1.0, jnp.exp(u)), rtol=1e-15)

@@ -122,7 +122,7 @@ def test_no_gradient_from_a_later_input_to_an_earlier_output(variant):
         assert float(jnp.abs(g[:, : t + 1]).max()) > 0
         assert float(jnp.abs(g[:, t + 1:]).max()) == 0.0
     else:
-        # The parent routes every position by the LAST position's phases (SPEC §3.3):
+        # The parent routes every position by the LAST position's phases (docs/spec.md §3.3):
         # later inputs reach earlier outputs through the routing, by design.
         assert float(jnp.abs(g[:, t + 1:]).max()) > 0
 

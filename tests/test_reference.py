@@ -1,4 +1,4 @@
-"""Tests of the PyTorch reference engine (fractus_jax.reference) against SPEC §1–§4."""
+"""Tests of the PyTorch reference engine (fractus_jax.reference) against docs/spec.md §1–§4."""
 import io
 import math
 
@@ -26,7 +26,7 @@ def random_ids(B, C, seed, lo=0, hi=256):
 
 
 def expected_shapes(cfg):
-    """The weight contract of SPEC §2, written out independently of the module."""
+    """The weight contract of docs/spec.md §2, written out independently of the module."""
     V, D, N, r_k = cfg.vocab_size, cfg.d_model, cfg.n_oscillators, cfg.coupling_rank
     E, F, r, L = cfg.n_experts, cfg.expert_d_ff, cfg.siren_rank, cfg.n_levels
     s = {"observe.weight": (V, D), "output_head.weight": (V, D),
@@ -336,7 +336,7 @@ def test_gradients_reach_every_trainable_parameter(variant):
     conf = torch.sigmoid(model.confidence_head(model.last_hidden[:, -1])).mean()
     (loss + 0.02 * lb + conf).backward()
     for name, p in model.named_parameters():
-        if name.startswith("salience_head"):              # not used by the forward (SPEC §4)
+        if name.startswith("salience_head"):              # not used by the forward (docs/spec.md §4)
             continue
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name

@@ -292,7 +292,7 @@ def test_probes_at_init(corpus_file):
     prober = Prober(cfg, open_corpus(corpus_file))
     state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(0))
     out = prober.run(state["params"], initial=True)
-    # An untrained atom engine: CE near ln 266, no echo (embedding std 0.02, SPEC §6).
+    # An untrained atom engine: CE near ln 266, no echo (embedding std 0.02, docs/spec.md §6).
     assert abs(out["init_ce"] - np.log(266)) < 0.1
     assert out["init_echo"] < 0.05
     assert 1 <= out["speech_unique_ids"] <= SPEECH_STEPS and 0 <= out["speech_unique_bytes"] <= out["speech_unique_ids"]

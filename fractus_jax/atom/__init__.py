@@ -1,4 +1,4 @@
-"""Atom: the byte-level id stream of the Fractus engine (SPEC section 5).
+"""Atom: the byte-level id stream of the Fractus engine (docs/spec.md §5).
 
 Ids 0-255 are raw UTF-8 bytes, 256 PAD, 257 BOS, 258 EOS, 259-265 boundaries
 closing each packet. ``encode`` / ``encode_open`` / ``decode`` work on text,

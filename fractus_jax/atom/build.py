@@ -1,4 +1,4 @@
-"""Building an Atom corpus from text files (SPEC section 6's flat id file).
+"""Building an Atom corpus from text files (docs/spec.md §6's flat id file).
 
 The output is little-endian uint16 ids, one closed document (BOS ... EOS) after
 another, plus ``FILE.json``: n_ids, n_docs, the sources (path, size, mtime, and

@@ -1,4 +1,4 @@
-"""The 320-d Atom packet features (SPEC section 5; layout in docs/atom.md).
+"""The 320-d Atom packet features (docs/spec.md §5; layout in docs/atom.md).
 
 One vector per boundary position, computed from the packet that boundary closes
 and a rolling sketch of the packets before it in the same document. Pure numpy,
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from fractus_jax.atom.ids import BOS, BOUNDARY_FIRST, BOUNDARY_LAST, MAX_SPAN, N_BOUNDARIES, PAD
-from fractus_jax.atom.stream import CLASS  # first-byte class (the SPEC's five)
+from fractus_jax.atom.stream import CLASS  # first-byte class (the spec's five)
 
 FEAT_DIM = 320
 SKETCH = 128  # hashed byte unigram + bigram buckets

@@ -1,4 +1,4 @@
-"""The Atom alphabet (SPEC section 5): the special ids, named once.
+"""The Atom alphabet (docs/spec.md §5): the special ids, named once.
 
 Ids 0-255 are the raw bytes of UTF-8 text; 256-265 are the special ids below.
 Every other module imports these names rather than writing the numbers.

@@ -1,6 +1,6 @@
 """Reading an Atom corpus: memory-mapped, validated in chunks, inspected.
 
-Accepted layouts (SPEC section 6): ``.u16`` and ``.i16`` (little-endian 16-bit
+Accepted layouts (docs/spec.md §6): ``.u16`` and ``.i16`` (little-endian 16-bit
 ids, one layout), ``.npy`` (a 1-D integer array) and ``.bin`` (little-endian
 int32). A ``FILE.json`` index beside the file (written by the builder) is
 checked against it: a corpus whose size disagrees with its index is refused.

@@ -1,6 +1,6 @@
-"""Atom encode / decode (SPEC section 5), vectorised with numpy.
+"""Atom encode / decode (docs/spec.md §5), vectorised with numpy.
 
-The cut rule of the SPEC is sequential, but it factors into two parts that
+The cut rule of the spec is sequential, but it factors into two parts that
 vectorise:
 
 * *hard cuts* that depend only on a byte and its neighbour: after every
@@ -15,7 +15,7 @@ vectorise:
   starts (``_chain``). A span that becomes exactly full is closed by the max-span id,
   which then replaces a transition / flush id at the same place.
 
-``reference_encode_bytes`` is the SPEC's loop written out literally; the tests
+``reference_encode_bytes`` is the spec's loop written out literally; the tests
 check the fast path against it id for id.
 """
 from __future__ import annotations
@@ -376,7 +376,7 @@ def iter_chars(data: bytes) -> Iterable[bytes]:
 
 
 def reference_encode_bytes(data: bytes, closed: bool = True) -> list:
-    """The SPEC section 5 cut loop, literally (slow; the tests' oracle)."""
+    """The docs/spec.md §5 cut loop, literally (slow; the tests' oracle)."""
     out, span = [BOS], b""
 
     def close(boundary):

@@ -1,4 +1,4 @@
-"""Weights and carried state between the JAX trees and PyTorch state dicts (SPEC §2).
+"""Weights and carried state between the JAX trees and PyTorch state dicts (docs/spec.md §2).
 
 All functions speak numpy on the PyTorch side (torch tensors are accepted as input), so
 this module never imports torch; file formats (.pt, safetensors) live in `convert.files`.
@@ -102,7 +102,7 @@ def params_from_torch(state_dict: Mapping[str, Any], cfg: EngineConfig, dtype=No
 
 
 def params_to_torch(params, cfg: EngineConfig) -> dict[str, np.ndarray]:
-    """The JAX parameter (or gradient) tree → SPEC §2 names → numpy arrays; the tied
+    """The JAX parameter (or gradient) tree → docs/spec.md §2 names → numpy arrays; the tied
     output head is written as the same array as observe.weight."""
     out = {name: np.asarray(_get(params, path)) for path, name in names.top_level(cfg)}
     out[names.TIED_HEAD] = out["observe.weight"]

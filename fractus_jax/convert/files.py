@@ -1,5 +1,5 @@
 """PyTorch-side checkpoint files: .pt / .bin (torch.save), safetensors, and the optimizer
-file beside them (SPEC §2, §6).
+file beside them (docs/spec.md §2, §6).
 
     FILE.pt | FILE.bin          torch.save({"model_state": state_dict, "config": {...},
                                             "step": ..., "start_token_next": ..., ...})

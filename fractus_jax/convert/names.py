@@ -1,4 +1,4 @@
-"""The one declared map between JAX parameter paths and PyTorch state-dict names (SPEC §2).
+"""The one declared map between JAX parameter paths and PyTorch state-dict names (docs/spec.md §2).
 
 A JAX path is a tuple of dict keys into the parameter tree; block paths are relative to
 `params["blocks"]`, whose leaves carry a leading layer axis, and their PyTorch names take the
@@ -53,7 +53,7 @@ ATOM_PER_BLOCK = (
 TIED_HEAD = "output_head.weight"  # the same tensor as observe.weight
 COMPILED_PREFIX = "_orig_mod."
 
-# Carried state buffers (SPEC §2): names and how they map to the JAX state dict.
+# Carried state buffers (docs/spec.md §2): names and how they map to the JAX state dict.
 THOUGHT = "thought_state"
 LAST_LB = "last_lb_loss"
 BLOCK_S, BLOCK_Z, BLOCK_PHASE = "attn_S", "attn_z", "kuramoto_phases"

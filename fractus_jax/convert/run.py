@@ -1,4 +1,4 @@
-"""A run directory ↔ PyTorch checkpoint files: `export` and `import` (SPEC §2, §6).
+"""A run directory ↔ PyTorch checkpoint files: `export` and `import` (docs/spec.md §2, §6).
 
 Export reads one checkpoint of a run directory (parameters, carried state, counters,
 optionally the optimizer moments) and writes the PyTorch files. Import checks everything

@@ -6,13 +6,13 @@ and sits in the leading corner of the grown array:
   * depth (`add_layers`): new blocks go AFTER the last one. Their attention output
     projection (w_out, b_out) and every expert's output factor U2 and bias b2 are zero,
     so the block adds exactly zero to the residual stream (it is the identity on h);
-    everything else is initialised as SPEC §2, and the zero tensors get gradients at once
+    everything else is initialised as docs/spec.md §2, and the zero tensors get gradients at once
     (d/dw_out = aᵀ·dh, d/dU2 ∝ u·V2), the others from the next step on.
   * experts (`add_experts`): new experts go after the last one, in every existing layer,
-    with U2 = 0 and b2 = 0 and the other factors as SPEC §2 (so U2 learns from the first
+    with U2 = 0 and b2 = 0 and the other factors as docs/spec.md §2 (so U2 learns from the first
     routed token and the rest follows), at a phase a quarter of the mean spacing (2π/E)
     after the busiest experts (or the middle of the widest gap when no hits are known).
-  * expert rank (`siren_rank`): U1, V2 get new random columns (SPEC §2 at the new rank),
+  * expert rank (`siren_rank`): U1, V2 get new random columns (docs/spec.md §2 at the new rank),
     V1 and U2 new zero columns: x·V1 gains zeros (U1's new columns see nothing) and the
     new U2 columns write nothing (V2's new columns go nowhere); d/dV1_new ∝ U1_new and
     d/dU2_new ∝ u·V2_new are not zero.

@@ -6,7 +6,7 @@ the carry entering the chunk and a reset mask, over any leading batch axes `...`
     qf, kf, v : (..., C, dH)     S0 : (..., dH, dH)     z0 : (..., dH)     reset : (..., C)
 
 and return the outputs (..., C, dH) with the state after the last position. A reset at t
-means the state entering t is zero. The recurrence (SPEC §3.1 step 4) is inclusive:
+means the state entering t is zero. The recurrence (docs/spec.md §3.1 step 4) is inclusive:
 
     S_t = [not reset_t]·S_{t-1} + kf_t ⊗ v_t,   z_t likewise,   y_t = qf_t·S_t / (qf_t·z_t)
 
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_DEN_FLOOR = 1e-10  # below this |den| the output is defined as 0 (SPEC §3.1)
+_DEN_FLOOR = 1e-10  # below this |den| the output is defined as 0 (docs/spec.md §3.1)
 _DEN_EPS = 1e-20
 
 
@@ -148,7 +148,7 @@ def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64):
 
 
 def elu1(u):
-    """ELU(α=1) plus one: strictly positive, the feature map of SPEC §3.1.
+    """ELU(α=1) plus one: strictly positive, the feature map of docs/spec.md §3.1.
 
     Branchless: max(u, 0) + exp(min(u, 0)) is u + 1 above 0 and exp(u) below, and its
     derivative at 0 is ½ + ½·1 = 1 (JAX splits ties), as ELU's. Without the select

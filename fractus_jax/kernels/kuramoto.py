@@ -1,4 +1,4 @@
-"""Kuramoto oscillator phases (SPEC §3.2): a low-rank coupled field integrated by RK4.
+"""Kuramoto oscillator phases (docs/spec.md §3.2): a low-rank coupled field integrated by RK4.
 
 Every position's N oscillators evolve independently of the other positions, so the
 kernels work on any leading axes `...` with phases θ of shape (..., N).

@@ -1,4 +1,4 @@
-"""Phase-routed mixture of low-rank experts (SPEC §3.3, §3.4).
+"""Phase-routed mixture of low-rank experts (docs/spec.md §3.3, §3.4).
 
 Routing: the mean phase of a token's oscillators picks experts by von Mises gates around
 each expert's fixed (Farey) phase; the top-k gates, renormalised, weight the experts.

@@ -1,6 +1,6 @@
-"""The reference block (SPEC §3): fractal linear attention, Kuramoto phases, phase-routed MoE.
+"""The reference block (docs/spec.md §3): fractal linear attention, Kuramoto phases, phase-routed MoE.
 
-Module and parameter names are the weight contract of SPEC §2.
+Module and parameter names are the weight contract of docs/spec.md §2.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _uniform_(t: torch.Tensor, bound: float) -> torch.Tensor:
 
 
 class FractalAttention(nn.Module):
-    """Causal multi-level linear attention with a carried (S, z) state (SPEC §3.1)."""
+    """Causal multi-level linear attention with a carried (S, z) state (docs/spec.md §3.1)."""
 
     def __init__(self, d_model: int, n_heads: int, d_head: int, n_levels: int):
         super().__init__()
@@ -80,7 +80,7 @@ class FractalAttention(nn.Module):
 
 
 class Kuramoto(nn.Module):
-    """Per-position oscillator phases from LN_kur(h) (SPEC §3.2)."""
+    """Per-position oscillator phases from LN_kur(h) (docs/spec.md §3.2)."""
 
     def __init__(self, d_model: int, n_oscillators: int, coupling_rank: int, variant: str,
                  dt: float, damping: float, n_steps: int):
@@ -112,7 +112,7 @@ class Kuramoto(nn.Module):
 
 
 class PhaseMoE(nn.Module):
-    """Low-rank experts routed by the oscillators' mean phase, exact top-k (SPEC §3.3)."""
+    """Low-rank experts routed by the oscillators' mean phase, exact top-k (docs/spec.md §3.3)."""
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, d_ff: int, rank: int,
                  kappa: float, temperature: float):

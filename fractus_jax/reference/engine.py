@@ -1,4 +1,4 @@
-"""The PyTorch reference FractusEngine (SPEC §2 weights, §4 chunk forward with carried state).
+"""The PyTorch reference FractusEngine (docs/spec.md §2 weights, §4 chunk forward with carried state).
 
 Built as ``FractusEngine(**cfg.torch_kwargs())``; run in float64 with ``.double()`` for
 equivalence tests.
@@ -96,7 +96,7 @@ class FractusEngine(nn.Module):
             self.reset_state(thought.shape[0])
         return super().load_state_dict(sd, strict=strict, assign=assign)
 
-    # ------------------------------------------------------------------ chunk forward (SPEC §4)
+    # ------------------------------------------------------------------ chunk forward (docs/spec.md §4)
 
     def forward(self, ids: torch.Tensor, feats: Optional[torch.Tensor] = None):
         """ids (B, C) int64, feats optional (B, C, atom_feat_dim) (atom variant only).

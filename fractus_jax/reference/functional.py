@@ -1,6 +1,6 @@
-"""Pure functions of the PyTorch reference (SPEC §3): constants, attention kernels, Kuramoto.
+"""Pure functions of the PyTorch reference (docs/spec.md §3): constants, attention kernels, Kuramoto.
 
-Everything here is written to be obviously equal to the SPEC text, not fast.
+Everything here is written to be obviously equal to the spec text, not fast.
 """
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import torch
 
 TWO_PI = 2.0 * math.pi
 GOLDEN = (1.0 + math.sqrt(5.0)) / 2.0
-# Atom boundary ids (SPEC §5): atom features enter only at these positions.
+# Atom boundary ids (docs/spec.md §5): atom features enter only at these positions.
 BOUNDARY_IDS = (259, 265)  # inclusive range
 DEN_EPS = 1e-20
 DEN_MIN = 1e-10
 GATE_MIN = 1e-10
 
 
-# ---------------------------------------------------------------- constants (SPEC §2, §3.4)
+# ---------------------------------------------------------------- constants (docs/spec.md §2, §3.4)
 
 @functools.lru_cache(maxsize=None)
 def farey_sequence(n: int) -> tuple:
@@ -51,7 +51,7 @@ def level_offsets(n_levels: int) -> torch.Tensor:
     return torch.tensor([(GOLDEN ** 2) ** (-l) for l in range(n_levels)], dtype=torch.float64)
 
 
-# ---------------------------------------------------------------- attention (SPEC §3.1)
+# ---------------------------------------------------------------- attention (docs/spec.md §3.1)
 
 def elu1(u: torch.Tensor) -> torch.Tensor:
     """u + 1 where u > 0, else exp(u) (strictly positive). exp sees min(u, 0) so its
@@ -108,7 +108,7 @@ def einsum_attention(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
     return _safe_ratio(num, den), S[:, :, -1], z[:, :, -1]
 
 
-# ---------------------------------------------------------------- Kuramoto (SPEC §3.2)
+# ---------------------------------------------------------------- Kuramoto (docs/spec.md §3.2)
 
 def kuramoto_field(theta: torch.Tensor, omega: torch.Tensor, U: torch.Tensor,
                    lam: torch.Tensor, damping: float) -> torch.Tensor:
@@ -138,7 +138,7 @@ def initial_phases(base: torch.Tensor, n_oscillators: int) -> torch.Tensor:
     return torch.remainder(base[..., None] + TWO_PI * n / n_oscillators, TWO_PI)
 
 
-# ---------------------------------------------------------------- MoE (SPEC §3.3)
+# ---------------------------------------------------------------- MoE (docs/spec.md §3.3)
 
 def gelu_tanh(u: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(u, approximate="tanh")

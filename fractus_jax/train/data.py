@@ -1,4 +1,4 @@
-"""Lanes over a memory-mapped corpus (SPEC §6).
+"""Lanes over a memory-mapped corpus (docs/spec.md §6).
 
 With batch B the corpus is cut into B equal lanes; row b always reads lane b, so its
 carried state continues its own text. `pos` (the manifest's start_token_next) is the

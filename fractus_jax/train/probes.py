@@ -1,4 +1,4 @@
-"""Probes: what a falling CE does not show (SPEC §6), run every probe_every steps.
+"""Probes: what a falling CE does not show (docs/spec.md §6), run every probe_every steps.
 
 Each probe is one jitted function of the parameters on fixed inputs (a fresh carry, the
 same corpus rows every time), so values are comparable across steps and across resumes:
