@@ -194,9 +194,25 @@ def test_gates_pick_the_expert_at_the_mean_phase():
 
 # ------------------------------------------------------------------ engine behaviour
 
+def off_the_wrap(model, seed=0):
+    """Random norm_kur weights and a bias of mean 0.5 in every block.
+
+    At init the parent's mean-phase encoding is the mean of a LayerNorm output with unit
+    weight and zero bias: rounding noise of either sign, so `mod 2π` puts oscillator 0 at
+    ~0 or ~2π depending on the CPU (docs/spec.md §3.2). Off that point the base phase is a
+    real function of the input and two computations of it agree up to rounding."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for blk in model.blocks:
+            n = blk.norm_kur
+            n.weight.add_(0.3 * torch.randn(n.weight.shape, generator=g, dtype=n.weight.dtype))
+            n.bias.copy_(0.5 + 0.3 * torch.randn(n.bias.shape, generator=g, dtype=n.bias.dtype))
+    return model
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bos_in_the_middle_resets_only_that_row(variant):
-    model = make(variant)
+    model = off_the_wrap(make(variant))
     model(random_ids(2, 12, seed=1))                      # non-zero carry
     warm = {k: v.clone() for k, v in model.state_dict().items()}
     assert model.thought_state.abs().max() > 0 and model.blocks[0].attn_S.abs().max() > 0
@@ -211,8 +227,14 @@ def test_bos_in_the_middle_resets_only_that_row(variant):
     ids_nobos[0, t] = 65
     logits_nobos, _ = model(ids_nobos)
     assert (logits[0, t:] - logits_nobos[0, t:]).abs().max() > 1e-6
-    torch.testing.assert_close(logits[0, :t], logits_nobos[0, :t], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(logits[1], logits_nobos[1], rtol=1e-12, atol=1e-12)
+    if variant == "atom":
+        # The Atom engine is causal: positions before the BOS do not see it.
+        torch.testing.assert_close(logits[0, :t], logits_nobos[0, :t], rtol=1e-12, atol=1e-12)
+    else:
+        # The parent routes every position of a row by the chunk's last position
+        # (docs/spec.md §3.3), which the reset changes: it is causal in attention only.
+        assert (logits[0, :t] - logits_nobos[0, :t]).abs().max() > 1e-6
 
     # From the BOS on, row 0 is a fresh document: equal to a freshly reset engine on the suffix.
     model.reset_state(1)
@@ -227,7 +249,7 @@ def test_bos_in_the_middle_resets_only_that_row(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bos_at_position_zero_skips_thought_and_carry(variant):
-    model = make(variant)
+    model = off_the_wrap(make(variant))
     model(random_ids(2, 10, seed=3))
     assert model.thought_state.abs().max() > 0
     ids = random_ids(2, 8, seed=4)
