@@ -5,9 +5,9 @@ from fractus_jax.train.config import TrainConfig
 
 def get_config() -> TrainConfig:
     return TrainConfig(
-        # The parent routes a whole row by its last position, so its tokens crowd a few
-        # experts: capacity routing would drop most of them; run the experts exactly.
-        model=config.parent_1b(compute_dtype="bfloat16", remat=True, capacity_factor=None),
+        # Dropless MoE (the default): the parent routes a whole row by its last position,
+        # so its tokens crowd a few experts, and any capacity below E/K would drop rows.
+        model=config.parent_1b(compute_dtype="bfloat16", remat=True),
         batch_size=16, seq_len=128, max_steps=200_000, optimizer="sgd", lr=7e-4,
         warmup_steps=800, ce_chunk=256, log_every=10, save_every=1000,
         save_every_minutes=30.0, probe_every=0,

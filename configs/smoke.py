@@ -1,4 +1,6 @@
-"""A small Atom model that visibly learns in 60 steps, a few minutes on 2 CPU cores."""
+"""A small Atom model whose CE falls from 5.6 to about 3 in 60 steps: about 1.5 minutes on
+2 CPU cores, about 45 s of it compiling the step (measured: `time python -m
+fractus_jax.train --config smoke --workdir /tmp/smoke_run`, a fresh workdir)."""
 from fractus_jax.config import EngineConfig
 from fractus_jax.train.config import TrainConfig
 

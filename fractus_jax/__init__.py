@@ -3,3 +3,13 @@ from fractus_jax.config import EngineConfig
 from fractus_jax.model import count_params, forward_chunk, init_params, init_state
 
 __all__ = ["EngineConfig", "count_params", "forward_chunk", "init_params", "init_state"]
+
+
+def __getattr__(name):
+    # fractus_jax.nn (the Flax module) loads on first use: importing Flax NNX takes ~1 s,
+    # which the pure API and the command-line tools do not need.
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module("fractus_jax.nn")
+    raise AttributeError(f"module 'fractus_jax' has no attribute {name!r}")

@@ -44,11 +44,22 @@ class EngineConfig:
     bos_id: Optional[int] = ATOM_BOS
     atom_feat_dim: int = 320
     # ---- JAX-side computation choices (not part of the weights) ----
-    # None: every token gets its top_k experts (capacity = all tokens of the group).
-    capacity_factor: Optional[float] = 1.25
-    # Rows per MoE dispatch group; 0 means the whole batch is one group. Capacity is
-    # counted per group, so sharded runs set it to the rows one device holds.
-    moe_group_rows: int = 0
+    # None (dropless): every token gets its top_k experts, the PyTorch engine's function.
+    # A number: each expert takes at most ceil(cf·T·K/E) assignments of a dispatch group
+    # of T tokens, and the rest are dropped (docs/spec.md §3.3).
+    capacity_factor: Optional[float] = None
+    # Rows per capacity group; 0 makes the whole batch one group. With a capacity factor
+    # the group decides which assignments are dropped, so it is part of the trained
+    # function: a fixed number of rows, the same on any mesh (the trainer refuses a group
+    # that does not divide the rows one device holds). Unused when dropless.
+    moe_group_rows: int = 1
+    # Dropless dispatch: each expert's assignments run in whole blocks of this many rows
+    # (at most one partial block per expert; docs/engine.md).
+    moe_block_rows: int = 32
+    # Dropless dispatch: the batch's rows dispatch as this many independent slices, one
+    # per device (the trainer sets it from the mesh) so that no token crosses devices.
+    # Execution only: dropless routing gives the same numbers for any value.
+    moe_shards: int = 1
     attn_block_size: int = 64
     compute_dtype: str = "float32"
     remat: bool = False
@@ -74,6 +85,11 @@ class EngineConfig:
             raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
+        if self.moe_group_rows < 0:
+            raise ValueError(f"moe_group_rows must be >= 0 (0: the whole batch), got {self.moe_group_rows}")
+        if self.moe_block_rows < 1 or self.moe_shards < 1:
+            raise ValueError(f"moe_block_rows and moe_shards must be >= 1, got {self.moe_block_rows}, "
+                             f"{self.moe_shards}")
         if self.scan_unroll < 1:
             raise ValueError(f"scan_unroll must be >= 1, got {self.scan_unroll}")
         if self.row_streams < 1:

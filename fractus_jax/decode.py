@@ -32,6 +32,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fractus_jax import model
 from fractus_jax.atom.ids import EOS as EOS_ID
@@ -54,6 +55,14 @@ def check_decode_args(cfg: EngineConfig, max_new: int, mode: str, window: int,
         raise ValueError(f"temperature must be >= 0 (0 or None: greedy), got {temperature}")
     if int(top_k) < 0 or int(top_k) > cfg.vocab_size:
         raise ValueError(f"top_k must be in 0..{cfg.vocab_size} (0: no cut), got {top_k}")
+
+
+def speech_counts(ids) -> tuple[int, int]:
+    """(distinct ids, distinct byte values among ids < 256) of generated ids: the speech
+    gate's two counts, for `generate` and the trainer's probe alike. A model that emits
+    only one boundary id scores (1, 0)."""
+    a = np.asarray(ids, np.int64).reshape(-1)
+    return int(np.unique(a).size), int(np.unique(a[a < 256]).size)
 
 
 def _acc_dtype(params):

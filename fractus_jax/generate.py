@@ -1,6 +1,6 @@
 """Text generation with the Fractus engine: a Python API and ``python -m fractus_jax.generate``.
 
-    python -m fractus_jax.generate --ckpt RUN_DIR --prompt "Bonjour, le" [--prompt ...]
+    python -m fractus_jax.generate --ckpt RUN_DIR|RUN_DIR/checkpoints/STEP --prompt "Bonjour, le" [--prompt ...]
         [--step N] [--max-new 40] [--mode step|window] [--window 64]
         [--temperature 0] [--top-k 0] [--seed 0] [--json]
 
@@ -18,6 +18,7 @@ cost of one compile for the whole batch (tests/test_generate.py checks both clai
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import importlib
 import json
@@ -31,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fractus_jax import atom
-from fractus_jax.atom.ids import BOS, EOS, PAD
+from fractus_jax.atom.ids import BOS, EOS, PAD, is_boundary
+from fractus_jax.atom.ids import NAMES as ATOM_NAMES
 from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
 from fractus_jax.config import EngineConfig
-from fractus_jax.decode import MODES, check_decode_args, decode_ids
+from fractus_jax.decode import MODES, check_decode_args, decode_ids, speech_counts
 
 
 class GenerateError(ValueError):
@@ -60,10 +62,26 @@ class Generation:
         return dataclasses.asdict(self)
 
 
-def speech_counts(ids) -> tuple[int, int]:
-    """(unique ids, unique byte values among ids < 256): the speech gate's two counts."""
-    a = np.asarray(ids, np.int64).reshape(-1)
-    return int(np.unique(a).size), int(np.unique(a[a < 256]).size)
+def no_text_note(ids, step: Optional[int] = None) -> Optional[str]:
+    """Why generated ids show no text (none of them is a byte), or None when some are.
+
+    An early model emits boundary ids (a packet's end) long before bytes: its text is
+    empty, which the note says rather than leaving an empty line unexplained."""
+    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+    if any(i < 256 for i in ids):
+        return None
+    if not ids:
+        return "no text: no id was generated"
+    counts = collections.Counter(ids)
+    what = ", ".join(f"{ATOM_NAMES.get(i, i)} ({i}) x{n}" for i, n in counts.most_common())
+    boundaries = all(is_boundary(i) for i in ids)
+    if len(ids) == 1:
+        said = "the 1 id was " + ("a boundary" if boundaries else "a special id")
+    else:
+        said = f"the {len(ids)} ids were all " + ("boundaries" if boundaries else "special ids")
+    early = f"a {step}-step model" if step is not None else "a model early in training"
+    return (f"no text: {said} ({what}), no byte; {early} does not speak yet (the trainer's speech "
+            "gate probe, speech_unique_bytes in metrics.jsonl, tracks when it starts: docs/training.md)")
 
 
 def check_atom_engine(cfg: EngineConfig) -> None:
@@ -109,7 +127,7 @@ def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_
     # Row streams schedule a training batch across cores; decoding a few rows needs none.
     cfg = cfg.replace(row_streams=1)
     if exact_routing:
-        cfg = cfg.replace(capacity_factor=None, moe_group_rows=0)
+        cfg = cfg.replace(capacity_factor=None, moe_shards=1)
     encoded, batch = encode_prompts(prompts)
     prompt_ids = jnp.asarray(batch)
     key = jax.random.PRNGKey(int(seed))
@@ -137,7 +155,8 @@ def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_
 # ----------------------------------------------------------------------------- CLI
 
 def load_run(run_dir: str, step: Optional[int] = None):
-    """(params, engine_cfg) of a trainer run directory, via fractus_jax.train.checkpoint."""
+    """(params, engine_cfg) of a trainer run directory or one of its step directories
+    (DIR/checkpoints/<step>), via fractus_jax.train.checkpoint."""
     try:
         ckpt = importlib.import_module("fractus_jax.train.checkpoint")
     except ImportError as e:
@@ -145,14 +164,34 @@ def load_run(run_dir: str, step: Optional[int] = None):
     return ckpt.load_for_inference(run_dir, step=step)
 
 
+# The CLI's bound on --max-new: the output buffers are allocated for all of it up front, and a
+# million ids at ~1 ms/id is already a quarter of an hour.
+MAX_NEW_LIMIT = 1_000_000
+
+
+def _max_new(text: str) -> int:
+    """--max-new: a whole number (1e5 written as such is accepted) up to MAX_NEW_LIMIT."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value > MAX_NEW_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text} is above the limit of {MAX_NEW_LIMIT:,} ids per prompt")
+    return int(value)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fractus_jax.generate",
                                  description="Generate text with a trained Fractus engine (Atom ids).")
-    ap.add_argument("--ckpt", required=True, metavar="DIR", help="a run directory written by the trainer")
+    ap.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP",
+                    help="a run directory written by the trainer (its latest checkpoint) or DIR/checkpoints/<step>")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     ap.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                     help="prompt text; repeat for a batch")
-    ap.add_argument("--max-new", type=int, default=40, metavar="N", help="ids to generate at most (default 40)")
+    ap.add_argument("--max-new", type=_max_new, default=40, metavar="N",
+                    help=f"ids to generate at most (default 40, at most {MAX_NEW_LIMIT:,})")
     ap.add_argument("--mode", choices=MODES, default="step",
                     help="step: C=1 per id, state carried; window: re-run the last W ids from a zero state")
     ap.add_argument("--window", type=int, default=64, metavar="W", help="window width of --mode window (default 64)")
@@ -166,7 +205,22 @@ def _parser() -> argparse.ArgumentParser:
 
 def _fail(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(1)
+    raise SystemExit(2)   # a user mistake, as for the trainer and the converter
+
+
+def _checkpoint_step(ckpt: str, step: Optional[int]) -> Optional[int]:
+    """The step that --ckpt/--step load, as far as the directory names it (for the notes)."""
+    if step is not None:
+        return step
+    path = os.path.normpath(ckpt)
+    name, parent = os.path.basename(path), os.path.basename(os.path.dirname(path))
+    if parent == "checkpoints" and name.isdigit():
+        return int(name)
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -191,6 +245,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mean_conf = float(np.mean(r.confidence)) if r.confidence else float("nan")
         print(f"# {len(r.ids)} ids ({'EOS' if r.stopped_at_eos else 'max-new'}), unique ids {r.unique_ids}, "
               f"unique bytes {r.unique_bytes}, mean confidence {mean_conf:.3f}, {r.ms_per_id:.2f} ms/id")
+        note = no_text_note(r.ids, _checkpoint_step(args.ckpt, args.step))
+        if note:
+            print(f"# {note}")
     if args.json:
         objs = [r.to_json() for r in results]
         print(json.dumps(objs[0] if len(objs) == 1 else {"results": objs}))

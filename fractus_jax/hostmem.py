@@ -84,11 +84,12 @@ def advice(faults_per_step: float) -> str | None:
 
 
 def cpu_training_note(backend: str) -> str | None:
-    """The trainer's one line at start when it computes on the CPU under glibc's malloc."""
+    """The trainer's one short line at start when it computes on the CPU under glibc's malloc."""
     if backend != "cpu" or allocator() != "glibc":
         return None
-    return (f"note: training on the CPU with glibc's malloc, which maps every step's temporary "
-            f"buffer anew; {_how()} (docs/performance.md: the bench_small step ran 1.2-1.5x faster)")
+    how = ("scripts/with_tcmalloc" if find_tcmalloc() else
+           "scripts/with_tcmalloc (after apt-get install libtcmalloc-minimal4)")
+    return f"note: glibc's malloc slows CPU steps; {how} ran bench_small's 1.2-1.5x faster (docs/performance.md)"
 
 
 if __name__ == "__main__":

@@ -289,14 +289,23 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, mm_dtype):
     g = moe_k.gates(moe_k.mean_phase(psi), jax.lax.stop_gradient(p["expert_phases"]),
                     cfg.moe_kappa / cfg.gate_temperature)                     # (B, C, E)
     idx, w = moe_k.top_k_route(g, K)
-    rows = cfg.moe_group_rows or B
-    if B % rows:
-        raise ValueError(f"batch {B} is not a multiple of moe_group_rows={rows}")
-    n_groups, T = B // rows, rows * C
-    capacity = moe_k.expert_capacity(T, E, K, cfg.capacity_factor)
+    if cfg.capacity_factor is None:           # groups only keep tokens on their device
+        n_groups = cfg.moe_shards if B % cfg.moe_shards == 0 else 1
+    else:
+        rows = cfg.moe_group_rows or B
+        if B % rows:
+            raise ValueError(f"batch {B} is not a multiple of moe_group_rows={rows}")
+        n_groups = B // rows
+    T = B // n_groups * C
     factors = {k: (v.astype(mm_dtype) if k != "expert_phases" else v) for k, v in p.items()}
-    y, kept = moe_k.moe_capacity(x_BxCxD.reshape(n_groups, T, D).astype(mm_dtype), idx.reshape(n_groups, T, K),
-                                 w.reshape(n_groups, T, K).astype(mm_dtype), factors, capacity)
+    x_GxTxD = x_BxCxD.reshape(n_groups, T, D).astype(mm_dtype)
+    idx_GxTxK, w_GxTxK = idx.reshape(n_groups, T, K), w.reshape(n_groups, T, K).astype(mm_dtype)
+    if cfg.capacity_factor is None:
+        y = moe_k.moe_dropless(x_GxTxD, idx_GxTxK, w_GxTxK, factors, cfg.moe_block_rows)
+        kept = jnp.ones(idx_GxTxK.shape, bool)
+    else:
+        capacity = moe_k.expert_capacity(T, E, K, cfg.capacity_factor)
+        y, kept = moe_k.moe_capacity(x_GxTxD, idx_GxTxK, w_GxTxK, factors, capacity)
     hits = jnp.einsum("tk,tke->e", kept.reshape(-1, K).astype(jnp.float32),
                       jax.nn.one_hot(idx.reshape(-1, K), E, dtype=jnp.float32))
     stats = (kept.mean(dtype=jnp.float32), hits, g.reshape(-1, E).mean(0), idx)
@@ -355,12 +364,20 @@ def _stream_forward(params: Params, state: State, ids_BxC, cfg: EngineConfig, fe
 _STATE_ROW_AXIS = {"thought": 0, "S": 1, "z": 1, "phase": 1}
 
 
+def as_arrays(tree):
+    """Every leaf as a jax.Array: host arrays (numpy leaves from the converter, lists) are
+    placed on the device; tracers and device arrays pass through unchanged."""
+    return jax.tree.map(jnp.asarray, tree)
+
+
 def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
     """The chunk forward up to the last hidden state: (h (B, C, D), Aux, new_state).
 
+    Takes host arrays as well as device arrays, with or without jit.
     With cfg.row_streams = n the rows run as n independent slices (their own embedding,
     layers and state), joined only by the load balance, whose P_e is the mean of the
     streams' (equal row counts: the mean over every token)."""
+    params, state, ids_BxC, feats = as_arrays((params, state, ids_BxC, feats))
     B = ids_BxC.shape[0]
     n = cfg.row_streams
     rows = B // n

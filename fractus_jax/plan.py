@@ -98,7 +98,7 @@ def main(argv=None) -> int:
 
     from fractus_jax.train import config as cfg_lib
     from fractus_jax.train.config import MeshConfig
-    from fractus_jax.train.loop import resolve_for_mesh
+    from fractus_jax.train.config import resolve_for_mesh
 
     try:
         cfg = cfg_lib.apply_overrides(cfg_lib.load_config(args.config), args.overrides)

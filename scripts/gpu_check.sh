@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU, under 8 minutes (BUDGET_S, default 450 s, caps every step): write to $OUT (7 files: the device tool brings back 8 at most)
+# One GPU, under 8 minutes (BUDGET_S, default 450 s, caps every step): writes 7 files to $OUT
 #   env.json         versions and the device
 #   plans.jsonl      the step's planned memory on this device, one line per batch tried
 #   train.json       bench train (atom_1b: bfloat16, remat) at the largest batch whose plan fits
@@ -7,7 +7,7 @@
 #   attention.json   bench attention at the 1B shapes
 #   log.txt, raw.tgz what ran, and every command's full output
 # Usage: OUT=/some/dir scripts/gpu_check.sh
-#   Where JAX already sees a GPU (the lent machines' image has jax with CUDA) nothing is
+#   Where JAX already sees a GPU (an image with jax and its CUDA plugin) nothing is
 #   installed: the package runs from this checkout. Elsewhere it installs ".[cuda]"
 #   (WHEELS=DIR: offline, from wheels). CONFIG, BATCHES, STEPS, ATTN_BATCH, ATTN_IMPLS
 #   change what runs (the tests run this script on a CPU with the tiny config).
@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/log.txt"; }
 # Every step's timeout is cut to what is left of BUDGET_S, so the whole script ends in time
-# (a lent GPU has 15 minutes for everything, machine start included).
+# and keeps what it has measured (a GPU rented for a fixed slot still returns results).
 end_at=$((SECONDS + ${BUDGET_S:-450}))
 limit_s() { local left=$((end_at - SECONDS)); echo $(( left < $1 ? (left > 0 ? left : 1) : $1 )); }
 

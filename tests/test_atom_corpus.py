@@ -284,7 +284,7 @@ def test_cli_subprocess_no_traceback(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-m", "fractus_jax.atom", "stats", str(odd)],
                        capture_output=True, text=True, env=env)
-    assert r.returncode == 1 and r.stderr.startswith("error: ") and str(odd) in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and str(odd) in r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -52,7 +52,7 @@ def test_train_bench_reports_ids_per_s_and_mfu(capsys):
     assert r["allocator"] in ("glibc", "tcmalloc", "jemalloc", "mimalloc", "unknown")
     assert r["page_faults_per_step"] >= 0
     assert r["malloc_hugetlb"] is hostmem.hugetlb_tunable()
-    assert (r["row_streams"], r["moe_group_rows"]) == (1, 0)    # tiny's schedule, as configured
+    assert (r["row_streams"], r["moe_group_rows"]) == (1, 1)    # tiny's schedule, as configured
 
 
 def test_paired_mfu_pairs_each_round_with_the_peak_sampled_after_it():

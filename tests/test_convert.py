@@ -393,3 +393,28 @@ def test_cli_in_a_process(trained, corpus_file, tmp_path):
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
     assert bad.stderr.startswith("error: ") and "x.opt" in bad.stderr and not (tmp_path / "dir").exists()
+
+
+def _convert_without(module, *argv):
+    """The converter's CLI in a process where `module` cannot be imported."""
+    code = (f"import sys; sys.modules[{module!r}] = None\n"
+            "from fractus_jax.convert.__main__ import main\nsys.exit(main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.parametrize("module, out_name", [("torch", "x.pt"), ("safetensors", "x.safetensors")])
+def test_export_without_the_torch_extra_names_the_install_command(trained, tmp_path, module, out_name):
+    _, run_dir, _ = trained
+    out = _convert_without(module, "export", "--ckpt", str(run_dir), "--out", str(tmp_path / out_name))
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+    assert module in out.stderr and 'pip install -e ".[torch]"' in out.stderr and "Traceback" not in out.stderr
+    assert list(tmp_path.iterdir()) == []     # nothing written
+
+
+def test_export_prints_no_absl_warnings(trained, tmp_path):
+    _, run_dir, _ = trained
+    out = subprocess.run([sys.executable, "-m", "fractus_jax.convert", "export", "--ckpt", str(run_dir),
+                          "--out", str(tmp_path / "x.pt")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "WARNING:absl" not in out.stderr and out.stderr.strip() == "", out.stderr

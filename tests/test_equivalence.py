@@ -5,6 +5,7 @@ reference through `params_to_torch` and a strict `load_state_dict`, and both sid
 same three chunks with the carry flowing between them: BOS resets mid-row, atom features
 at boundary ids, and a chunk length that is not a multiple of the attention block.
 """
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +20,9 @@ from fractus_jax.reference import functional as Fn  # noqa: E402
 from engine_testing import move_off_init  # noqa: E402
 
 B, C, N_CHUNKS = 3, 13, 3
+# |jax − torch| ≤ atol + rtol·|torch| elementwise (chex.assert_trees_all_close), per dtype;
+# rtol = atol = tol is max |jax − torch| / (1 + |torch|) ≤ tol.
+TOL = {"float64": dict(rtol=1e-10, atol=1e-10), "float32": dict(rtol=2e-4, atol=2e-4)}
 
 
 def _chunks(cfg, seed):
@@ -97,9 +101,10 @@ def _run_both(cfg, dtype_name, seed=0):
 
 
 def _assert_close(a, b, tol, what):
-    err = float(np.max(np.abs(a - b) / (1.0 + np.abs(b))))
-    assert err <= tol, f"{what}: max relative error {err:.3e} > {tol:.1e}"
-    return err
+    """Trees a ≈ b with chex at tol (a TOL entry); returns the largest |a − b| / (1 + |b|)."""
+    chex.assert_trees_all_close(a, b, **tol, custom_message=what)
+    return max((float(np.max(np.abs(np.asarray(x) - np.asarray(y)) / (1.0 + np.abs(np.asarray(y)))))
+                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))), default=0.0)
 
 
 def _assert_not_trivial(out):
@@ -120,23 +125,24 @@ def test_float64_forward_state_and_gradients_match(variant):
     _assert_not_trivial(out)
     worst = dict.fromkeys(("logits", "state", "phases", "gradients"), 0.0)
     for c, chunk in enumerate(out):
-        worst["logits"] = max(worst["logits"], _assert_close(*chunk["logits"], 1e-9, f"chunk {c} logits"))
+        tol = TOL["float64"]
+        worst["logits"] = max(worst["logits"], _assert_close(*chunk["logits"], tol, f"chunk {c} logits"))
         assert chunk["lb"][0] == pytest.approx(chunk["lb"][1], rel=1e-9, abs=1e-12)
         state_j, state_t = chunk["state"]
-        for k, v in state_j.items():
-            if k.endswith("kuramoto_phases"):   # on the circle: 0 and 2π are the same phase
-                d = np.angle(np.exp(1j * (v - state_t[k])))
-                assert np.abs(d).max() < 1e-9, k
-                worst["phases"] = max(worst["phases"], float(np.abs(d).max()))
-            else:
-                worst["state"] = max(worst["state"], _assert_close(v, state_t[k], 1e-9, f"chunk {c} state {k}"))
+        assert set(state_j) <= set(state_t)   # the reference's state dict holds the weights too
+        phases = {k for k in state_j if k.endswith("kuramoto_phases")}
+        for k in phases:   # on the circle: 0 and 2π are the same phase
+            d = np.angle(np.exp(1j * (state_j[k] - state_t[k])))
+            assert np.abs(d).max() < tol["atol"], k
+            worst["phases"] = max(worst["phases"], float(np.abs(d).max()))
+        rest = sorted(set(state_j) - phases)
+        worst["state"] = max(worst["state"], _assert_close({k: state_j[k] for k in rest},
+                                                           {k: state_t[k] for k in rest}, tol, f"chunk {c} state"))
         grads_j, grads_t = chunk["grads"]
         assert set(grads_t) <= set(grads_j)
-        zero = set()
-        for name, g_t in grads_t.items():
-            worst["gradients"] = max(worst["gradients"], _assert_close(grads_j[name], g_t, 1e-9, f"chunk {c} grad {name}"))
-            if np.abs(g_t).max() == 0:
-                zero.add(name)
+        worst["gradients"] = max(worst["gradients"], _assert_close({n: grads_j[n] for n in grads_t}, grads_t,
+                                                                   tol, f"chunk {c} gradients"))
+        zero = {name for name, g_t in grads_t.items() if np.abs(g_t).max() == 0}
         # Every gradient is exercised but the two heads' (the loss uses neither).
         assert zero == {f"{h}.{w}" for h in ("confidence_head", "salience_head") for w in ("weight", "bias")}
         np.testing.assert_array_equal(*chunk["routes"])
@@ -162,7 +168,7 @@ def test_float32_matches_with_topk_flips_counted(variant):
         for b in range(B):
             if b in flipped_rows:
                 continue
-            _assert_close(chunk["logits"][0][b], chunk["logits"][1][b], 2e-4, f"chunk {c} row {b}")
+            _assert_close(chunk["logits"][0][b], chunk["logits"][1][b], TOL["float32"], f"chunk {c} row {b}")
             assert chunk["lb"][0] == pytest.approx(chunk["lb"][1], rel=1e-4)
     print(f"{variant}: top-k flips {flips}/{tokens} tokens·layers")
     assert flips / tokens <= 0.01
@@ -183,7 +189,7 @@ def test_capacity_factor_of_e_over_k_equals_exact_routing():
         _, aux, _ = model.forward_hidden(params, state, ids, cfg_tight)
     assert np.abs(np.asarray(tight - exact)).max() > 1e-6   # drops do change the output
     assert float(aux.keep_rate.max()) < 1.0
-    np.testing.assert_allclose(cap, exact, rtol=1e-12, atol=1e-12)
+    chex.assert_trees_all_close(cap, exact, rtol=1e-12, atol=1e-12)
 
 
 def test_export_loads_strictly_and_round_trips():
@@ -197,9 +203,9 @@ def test_export_loads_strictly_and_round_trips():
                                               strict=True)
     assert not missing and not unexpected
     back = convert.params_from_torch(ref.state_dict(), cfg)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, back)
+    chex.assert_trees_all_equal(params, back)
     state_back = convert.state_from_torch(ref.state_dict(), cfg)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state, state_back)
+    chex.assert_trees_all_equal(state, state_back)
     # A fresh reference differs, so the round trip above is not trivially true.
     fresh = convert.params_from_torch(FractusEngine(**cfg.torch_kwargs()).state_dict(), cfg)
     assert np.abs(fresh["blocks"]["attn"]["w_qkv"] - back["blocks"]["attn"]["w_qkv"]).max() > 0

@@ -171,7 +171,11 @@ def test_the_grown_directory_records_the_growth_and_keeps_old_moments(trained, g
         assert key in record, key
     assert (record["at_step"], record["add_layers"], record["add_experts"], record["siren_rank"]) == (2, 1, 2, 12)
     assert record["hits_source"] == "probe" and 0 <= record["rerouted_fraction"] <= 1
-    assert record["capacity_per_expert"] == {"group_tokens": 64, "before": 20, "after": 16}
+    assert record["capacity_per_expert"] is None        # dropless: no capacity to change
+    # With a capacity, the record says what one group of the config's rows gets per expert.
+    cap = cfg_lib.apply_overrides(cfg, ["model.capacity_factor=1.25", "model.moe_group_rows=2"])
+    more = cfg_lib.apply_overrides(cap, ["model.n_experts=10"])
+    assert grow_lib.capacity_change(cap, more) == {"group_tokens": 2 * cfg.seq_len, "before": 10, "after": 8}
     assert (out / "metrics.jsonl").read_text() == (run_dir / "metrics.jsonl").read_text()
     assert grow_run.resume_overrides(manifest["growth"]) == ["model.n_experts=10", "model.n_layers=3",
                                                              "model.siren_rank=12"]

@@ -1,4 +1,5 @@
 """The JAX engine on its own: parameter count, layer scan, causality, resets, dtypes."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -207,3 +208,60 @@ def test_qkv_features_backward_equals_autodiff(mm_dtype):
         assert float(jnp.abs(g_a).max()) > 1.0
         tol = 1e-12 if mm_dtype == jnp.float64 else 2e-2 * float(jnp.abs(g_a).max())
         np.testing.assert_allclose(g_w, g_a, rtol=0, atol=tol)
+
+
+# ----------------------------------------------------------------------------- the public API, with chex
+
+def _host_engine(cfg, B, seed=0):
+    """Host (numpy) params and carry, as the converter hands them out, and a device twin."""
+    from fractus_jax import convert
+
+    params = move_off_init(fj.init_params(cfg, jax.random.PRNGKey(seed)), jax.random.PRNGKey(seed + 1))
+    ids = np.asarray(jax.random.randint(jax.random.PRNGKey(seed + 2), (B, 11), 0, cfg.vocab_size), np.int32)
+    _, _, state = model.forward_chunk(params, fj.init_state(cfg, B), ids, cfg)   # a carry that is not zero
+    sd = {**convert.params_to_torch(params, cfg), **convert.state_to_torch(state, cfg)}
+    host_params, host_state = convert.params_from_torch(sd, cfg), convert.state_from_torch(sd, cfg)
+    assert all(type(a) is np.ndarray for a in jax.tree.leaves((host_params, host_state)))
+    return (host_params, host_state), (params, state), ids
+
+
+class TestPublicApiVariants(chex.TestCase):
+    """forward_chunk and init_state, called with host arrays, with and without jit."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_forward_chunk_on_host_arrays(self):
+        cfg = config.tiny()
+        B, C = 3, 9
+        (host_params, host_state), (params, state), ids = _host_engine(cfg, B)
+        feats = np.random.default_rng(0).normal(size=(B, C, cfg.atom_feat_dim)).astype(np.float32)
+        ids = ids[:, :C]
+        forward = self.variant(fj.forward_chunk, static_argnums=3)
+        reference = jax.jit(fj.forward_chunk, static_argnums=3)
+        for f in (None, feats):   # without features the embedding is all host arrays
+            logits, lb, new_state = forward(host_params, host_state, ids, cfg, f)
+            chex.assert_shape(logits, (B, C, cfg.vocab_size))
+            chex.assert_shape(lb, ())
+            chex.assert_type([logits, lb], jnp.float32)
+            chex.assert_trees_all_equal_shapes_and_dtypes(new_state, fj.init_state(cfg, B))
+            chex.assert_tree_all_finite((logits, lb, new_state))
+            # The same numbers as the device arrays under jit.
+            want = reference(params, state, jnp.asarray(ids), cfg, None if f is None else jnp.asarray(f))
+            chex.assert_trees_all_close((logits, lb, new_state), want, rtol=1e-6, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_init_state_and_params_shapes(self):
+        cfg = config.tiny()
+        init_state = self.variant(fj.init_state, static_argnums=(0, 1))
+        state = init_state(cfg, 5)
+        L, H, dH, N = cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.n_oscillators
+        chex.assert_shape([state["thought"], state["S"], state["z"], state["phase"]],
+                          [(5, cfg.d_model), (L, 5, H, dH, dH), (L, 5, H, dH), (L, 5, N)])
+        chex.assert_type(list(state.values()), jnp.float32)
+        chex.assert_trees_all_equal(state, jax.tree.map(jnp.zeros_like, state))
+        init_params = self.variant(fj.init_params, static_argnums=0)
+        params = init_params(cfg, jax.random.PRNGKey(0))
+        chex.assert_tree_all_finite(params)
+        chex.assert_shape(params["observe"], (cfg.vocab_size, cfg.d_model))
+        chex.assert_shape(params["blocks"]["attn"]["w_qkv"], (L, 3, cfg.d_model, cfg.d_model))
+        assert sum(a.size for a, m in zip(jax.tree.leaves(params), jax.tree.leaves(model.trainable_mask(params)))
+                   if m) == fj.count_params(cfg)

@@ -127,7 +127,7 @@ def test_two_processes_on_localhost_match_one(corpus_file, tmp_path):
     loop.run(loop.prepare(cfg, one, progress=False), progress=False, log=lambda m: None)
 
     def params(d):
-        c = loop.resolve_for_mesh(cfg)
+        c = cfg_lib.resolve_for_mesh(cfg)
         abstract = state_lib.abstract_train_state(c)
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), abstract)
@@ -147,7 +147,7 @@ def test_plan_reports_the_sharded_step_memory(corpus_file):
     from fractus_jax.plan import plan
 
     one = plan(_cfg(corpus_file, 1, 1))
-    eight = plan(loop.resolve_for_mesh(_cfg(corpus_file, 2, 4)))
+    eight = plan(cfg_lib.resolve_for_mesh(_cfg(corpus_file, 2, 4)))
     for r in (one, eight):
         d = r["per_device"]
         assert d["total_bytes"] == d["argument_bytes"] + d["output_bytes"] - d["alias_bytes"] + d["temp_bytes"]
@@ -159,6 +159,6 @@ def test_plan_reports_the_sharded_step_memory(corpus_file):
     assert eight["opt_state_bytes_per_device"] < 0.4 * one["opt_state_bytes_per_device"]
     # With the atom features fed, the planned step takes them too: (A, B, C, 320) float32
     # more arguments, rows split over all 8 devices (data × fsdp), as the trainer feeds them.
-    feats = plan(loop.resolve_for_mesh(cfg_lib.apply_overrides(_cfg(corpus_file, 2, 4), ["feats=true"])))
+    feats = plan(cfg_lib.resolve_for_mesh(cfg_lib.apply_overrides(_cfg(corpus_file, 2, 4), ["feats=true"])))
     extra = feats["per_device"]["argument_bytes"] - eight["per_device"]["argument_bytes"]
     assert extra == 1 * 8 * 16 * 320 * 4 // 8

@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,7 +96,7 @@ def test_row_streams_train_step_equals_one_stream(corpus_file):
     """The trainer's whole step (both passes, clipping, optimizer) with two row streams
     gives the one-stream step's state and metrics (same dispatch groups, float32)."""
     # SGD: Adam's step normalises a near-zero gradient's rounding into a full-size update
-    one = tiny(corpus_file, "model.moe_group_rows=2", "model.scan_unroll=2", "ss_rate=1",
+    one = tiny(corpus_file, "model.capacity_factor=1.25", "model.moe_group_rows=2", "model.scan_unroll=2", "ss_rate=1",
                "optimizer=sgd", "lr=0.05")
     two = cfg_lib.apply_overrides(one, ["model.row_streams=2"])
     state, _ = state_lib.create_train_state(one, sharding.make_mesh(), jax.random.PRNGKey(0))
@@ -286,9 +287,10 @@ def test_probes_at_init(corpus_file):
     from fractus_jax.atom.corpus import open_corpus
     from fractus_jax.train.probes import SPEECH_STEPS, Prober
 
-    # Trained on 2 devices: 8 rows per MoE dispatch group, which 4 probe rows are not a multiple of.
-    cfg = loop.resolve_for_mesh(tiny(corpus_file, "batch_size=16", "mesh.data=2"))
-    assert cfg.model.moe_group_rows == 8
+    # Trained on 2 devices with capacity groups of 8 rows, which 4 probe rows are not a multiple of.
+    cfg = cfg_lib.resolve_for_mesh(tiny(corpus_file, "batch_size=16", "mesh.data=2", "model.capacity_factor=1.25",
+                                        "model.moe_group_rows=8"))
+    assert cfg.model.moe_shards == 2
     prober = Prober(cfg, open_corpus(corpus_file))
     state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(0))
     out = prober.run(state["params"], initial=True)
@@ -325,3 +327,153 @@ def test_the_loop_lowers_the_step_once(corpus_file, tmp_path):
     assert lowered.count("jit(step)") == 1, lowered
     # Nor anything else the loop jits (state init, checkpoint staging): once each.
     assert len(lowered) == len(set(lowered)), lowered
+
+
+# ----------------------------------------------------------------------------- config checks, messages, the run's end
+
+@pytest.mark.parametrize("override, words", [
+    ("lr=0", ["lr", "0.0"]), ("lr=-1e-3", ["lr", "-0.001"]), ("lr=nan", ["lr", "nan"]), ("lr=inf", ["lr", "inf"]),
+    ("save_every=0", ["save_every", "0"]), ("max_steps=-1", ["max_steps", "-1"]),
+    ("log_every=0", ["log_every", "0"]), ("keep_checkpoints=0", ["keep_checkpoints", "0"]),
+    ("warmup_steps=-5", ["warmup_steps", "-5"]), ("clip_norm=0", ["clip_norm", "0.0"]),
+    ("clip_norm=inf", ["clip_norm", "inf"]), ("eps=0", ["eps", "0.0"]), ("b2=1.0", ["b2", "1.0"]),
+    ("weight_decay=-0.1", ["weight_decay", "-0.1"]), ("ce_chunk=0", ["ce_chunk", "0"]),
+    ("probe_every=-1", ["probe_every", "-1"]), ("save_every_minutes=-1", ["save_every_minutes", "-1.0"]),
+    ("ss_temperature=0", ["ss_temperature", "0.0"]), ("ss_p1=1.5", ["ss_p1", "1.5"]),
+])
+def test_obviously_invalid_values_are_refused_naming_the_field_and_value(override, words):
+    with pytest.raises(cfg_lib.ConfigError) as e:
+        cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [override])
+    msg = str(e.value)
+    assert msg.startswith(f"--set {override}: "), msg
+    for word in words:
+        assert word in msg, (word, msg)
+
+
+def test_valid_edge_values_are_accepted():
+    cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [
+        "max_steps=0", "warmup_steps=0", "weight_decay=0", "probe_every=0", "save_every_minutes=0",
+        "keep_checkpoints=1", "momentum=0", "lb_coef=0", "ss_rate=1"])
+    assert cfg.max_steps == 0 and cfg.keep_checkpoints == 1
+
+
+def test_an_unknown_key_suggests_the_nearest_field():
+    with pytest.raises(cfg_lib.ConfigError, match="did you mean max_steps?"):
+        cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), ["max_step=3"])
+    with pytest.raises(cfg_lib.ConfigError, match="did you mean d_model?"):
+        cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), ["model.d_modle=3"])
+    with pytest.raises(cfg_lib.ConfigError) as e:
+        cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), ["zzzzzz=3"])
+    assert "did you mean" not in str(e.value) and "fields:" in str(e.value)
+
+
+def test_a_missing_config_file_is_named_as_given(tmp_path):
+    missing = str(tmp_path / "cfg.py")
+    with pytest.raises(cfg_lib.ConfigError) as e:
+        cfg_lib.load_config(missing)
+    assert f"no such config file {missing} " in str(e.value) and ".py.py" not in str(e.value)
+    with pytest.raises(cfg_lib.ConfigError, match="did you mean smoke?"):
+        cfg_lib.load_config("smok")
+    assert cfg_lib.load_config("tiny.py") == cfg_lib.load_config("tiny")   # configs/tiny.py
+    (tmp_path / "mine.py").write_text((ROOT / "configs" / "tiny.py").read_text())
+    assert cfg_lib.load_config(str(tmp_path / "mine")) == cfg_lib.load_config("tiny")
+
+
+def test_a_refused_config_exits_2_with_one_error_line_and_no_note(tmp_path):
+    for args in (["--config", str(tmp_path / "nope.py")], ["--config", "tiny", "--set", "lr=0"],
+                 ["--config", "tiny", "--set", "max_step=3"]):
+        out = _cli(*args, "--workdir", str(tmp_path / "run"))
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+        assert not (tmp_path / "run").exists()
+
+
+def test_progress_bar_says_compiling_and_its_eta_starts_after_the_first_step(monkeypatch):
+    import io
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    clock = [1000.0]
+    bar = loop._progress_bar(60, 0, True, "compiling the train step")
+    bar._time = lambda: clock[0]
+    bar.start_t = bar.last_print_t = clock[0]
+    assert "compiling the train step" in stream.getvalue()
+    clock[0] += 48.0                      # the first step waited for the compilation
+    loop._bar_compiled(bar, 1, 48.0)
+    for _ in range(9):                    # then 4 steps a second
+        clock[0] += 0.25
+        bar.update(1)
+    rate = bar.format_dict["rate"]
+    assert rate == pytest.approx(4.0, rel=0.05), rate    # 50 steps left: an ETA of ~12 s, not 40 min
+    assert bar.n == 10 and "compiled in 48s" in bar.desc
+    bar.close()
+
+
+def test_the_end_of_a_run_says_where_its_outputs_are(corpus_file, tmp_path):
+    workdir = tmp_path / "run"
+    args = ["--config", "tiny", "--workdir", str(workdir), f"--set=corpus={corpus_file}", "--set=max_steps=2",
+            "--set=save_every=2"]
+    out = subprocess.run([sys.executable, "-m", "fractus_jax.train", *args], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    err = out.stderr
+    assert "compiling the train step" in err and "compiled in" in err      # the bar says it
+    assert f"run directory: {workdir}" in err
+    assert f"last checkpoint: step 2 ({workdir / 'checkpoints' / '2'})" in err
+    assert str(workdir / "metrics.jsonl") in err
+    # at max_steps: the same command, further (its max_steps replaced)
+    further = next(line for line in err.splitlines() if "train further:" in line)
+    assert f"--workdir {workdir}" in further and "max_steps=4" in further and "max_steps=2" not in further
+    assert f"python -m fractus_jax.generate --ckpt {workdir}" in err
+    assert f"python -m fractus_jax.convert export --ckpt {workdir}" in err
+    assert "scripts/plot_metrics.py" in err and (ROOT / "scripts" / "plot_metrics.py").exists()
+    assert err.index("run directory:") > err.index("compiling the train step")   # at the end
+    # stopped short of max_steps: the same command resumes
+    summary = loop_summary(args[:-2] + ["--set=max_steps=5"], workdir)
+    assert "resume (the same command): python -m fractus_jax.train --config tiny" in summary
+
+
+def loop_summary(argv, workdir):
+    from fractus_jax.train.__main__ import outputs_summary, parse_args
+    args = parse_args(argv)
+    cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), args.overrides)
+    return outputs_summary(args, argv, cfg, ckpt_lib.read_manifest(workdir))
+
+
+def test_the_train_step_traces_once_per_run_over_many_steps_and_a_resume(corpus_file, tmp_path, monkeypatch):
+    """chex.assert_max_traces on the trainer's step function: 8 steps with saves and
+    logging trace it once; the run resumed to 14 steps (a config with another max_steps:
+    a new program) traces it once more, and no more."""
+    import functools
+
+    traced = []
+    make = step_lib.make_train_step
+
+    @functools.lru_cache(maxsize=None)   # one function per config, as make_train_step
+    def counted(cfg):
+        inner = make(cfg)
+
+        def step(state, batch):
+            traced.append(cfg.max_steps)
+            return inner(state, batch)
+
+        return chex.assert_max_traces(step, n=1)
+
+    monkeypatch.setattr(step_lib, "make_train_step", counted)   # jit_train_step's source of the step
+    cfg = tiny(corpus_file, "max_steps=8", "save_every=4", "log_every=1")
+    chex.clear_trace_counter()
+    assert train(cfg, tmp_path / "run")["step"] == 8
+    assert traced == [8]
+    chex.clear_trace_counter()   # the resumed run's step is a new function (max_steps differs)
+    assert train(cfg.__class__(**{**cfg.__dict__, "max_steps": 14}), tmp_path / "run")["step"] == 14
+    assert traced == [8, 14]
+    assert ckpt_lib.read_manifest(tmp_path / "run")["step"] == 14
+
+
+def test_the_allocator_note_is_one_short_line(monkeypatch):
+    from fractus_jax import hostmem
+    monkeypatch.setattr(hostmem, "allocator", lambda: "glibc")
+    for lib in ("libtcmalloc_minimal.so.4", None):
+        monkeypatch.setattr(hostmem, "find_tcmalloc", lambda lib=lib: lib)
+        note = hostmem.cpu_training_note("cpu")
+        assert note.startswith("note: ") and "\n" not in note and len(note) <= 160, note
+        assert "scripts/with_tcmalloc" in note and "docs/performance.md" in note

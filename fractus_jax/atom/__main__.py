@@ -1,6 +1,6 @@
 """``python -m fractus_jax.atom {build,stats,decode,validate,encode,bench}``: a thin
 command line over importable functions. Errors a user can cause print
-``error: <message>`` and exit 1, without a traceback."""
+``error: <message>`` and exit 2, without a traceback (as every command here)."""
 from __future__ import annotations
 
 import argparse
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         return run(args)
     except (CorpusError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

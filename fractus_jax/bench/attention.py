@@ -278,7 +278,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.batch < 1 or args.repeats < 1 or args.warmup < 0:
-        print("--batch and --repeats must be >= 1, --warmup >= 0", file=sys.stderr)
+        print("error: --batch and --repeats must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2
     impls = list(dict.fromkeys(args.impl)) if args.impl else list(DEFAULT_IMPLS)
     result = run(args.batch, impls, repeats=args.repeats, warmup=args.warmup, seed=args.seed)

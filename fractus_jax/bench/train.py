@@ -205,6 +205,50 @@ def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict
     return out
 
 
+def dispatch_choices(model) -> dict:
+    """The MoE dispatch choices compared by `--dispatch`: the config's own first, then
+    dropless, the capacity path at cf = E/K (the same routing, padded) and cf = 4, 1.25."""
+    choices = {"dropless": None, "cf=E/K": model.n_experts / model.top_k, "cf=4": 4.0, "cf=1.25": 1.25}
+    own = next((k for k, v in choices.items() if v == model.capacity_factor), f"cf={model.capacity_factor}")
+    return {f"{own} (config)": model.capacity_factor,
+            **{k: v for k, v in choices.items() if v != model.capacity_factor}}
+
+
+def compare_dispatch(cfg, rounds: int = 4, steps: int = 3, warmup: int = 2) -> list[dict]:
+    """Times the train step of each dispatch choice in this one process, round robin
+    (`rounds` rounds of `steps` timed steps each), so that their ratios share the machine's
+    phase: [{dispatch, capacity_factor, ms_per_step, ids_per_s, keep_rate, ratio}], ratio
+    against the first (the config's own choice)."""
+    import dataclasses
+
+    import jax
+
+    runs = []
+    for name, cf in dispatch_choices(cfg.model).items():
+        c = dataclasses.replace(cfg, model=cfg.model.replace(capacity_factor=cf))
+        step, state, batches = build_step(c, 1 + warmup + rounds * steps)
+        for b in batches[:1 + warmup]:
+            state, metrics = step(state, b)
+        jax.block_until_ready(metrics)
+        runs.append({"name": name, "cf": cf, "step": step, "state": state, "batches": batches[1 + warmup:],
+                     "times": [], "keep": []})
+    for r in range(rounds):
+        for run_ in runs:
+            for b in run_["batches"][r * steps:(r + 1) * steps]:
+                t0 = time.perf_counter()
+                run_["state"], metrics = run_["step"](run_["state"], b)
+                jax.block_until_ready(metrics)
+                run_["times"].append(time.perf_counter() - t0)
+                run_["keep"].append(float(metrics["keep_rate"]))
+    ids_per_step = cfg.batch_size * cfg.seq_len * cfg.accum
+    base = statistics.median(runs[0]["times"])
+    return [{"dispatch": r["name"], "capacity_factor": r["cf"],
+             "ms_per_step": 1e3 * statistics.median(r["times"]),
+             "ids_per_s": ids_per_step / statistics.median(r["times"]),
+             "keep_rate": statistics.mean(r["keep"]), "ratio": statistics.median(r["times"]) / base}
+            for r in runs]
+
+
 def step_parser(prog: str, doc: str, steps: int, steps_help: str) -> argparse.ArgumentParser:
     """The options shared by the benchmarks of the train step (train, profile)."""
     p = argparse.ArgumentParser(prog=prog, description=doc,
@@ -220,7 +264,7 @@ def step_parser(prog: str, doc: str, steps: int, steps_help: str) -> argparse.Ar
 def step_config(args):
     """The resolved config of `step_parser`'s arguments; a user's mistake exits 2, no traceback."""
     from fractus_jax.train import config as cfg_lib
-    from fractus_jax.train.loop import resolve_for_mesh
+    from fractus_jax.train.config import resolve_for_mesh
 
     if args.steps < 1 or args.warmup < 0:
         print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
@@ -235,6 +279,9 @@ def step_config(args):
 def main(argv=None) -> int:
     p = step_parser("python -m fractus_jax.bench train", __doc__, 10, "timed steps (median)")
     p.add_argument("--torch", action="store_true", help="also time the PyTorch reference step")
+    p.add_argument("--dispatch", action="store_true",
+                   help="also time the other MoE dispatch choices (dropless, cf=E/K, cf=4, cf=1.25) "
+                        "in this process, round robin")
     args = p.parse_args(argv)
     cfg = step_config(args)
     r = run(cfg, args.steps, args.warmup, args.torch)
@@ -254,6 +301,12 @@ def main(argv=None) -> int:
     if "torch_ids_per_s" in r:
         print(f"  PyTorch reference step: {r['torch_ids_per_s']:.0f} ids/s ({r['torch_threads']} threads); "
               f"JAX is {r['speedup_vs_torch']:.1f}x")
+    if args.dispatch:
+        r["dispatch"] = compare_dispatch(cfg, warmup=args.warmup)
+        print("  MoE dispatch, round robin in this process (ratio: step time against the first):")
+        for d in r["dispatch"]:
+            print(f"    {d['dispatch']:<18} {d['ms_per_step']:8.1f} ms/step {d['ids_per_s']:8.0f} ids/s "
+                  f"keep_rate {d['keep_rate']:.3f}  x{d['ratio']:.2f}")
     if args.json:
         print(json.dumps(r))
     return 0

@@ -37,15 +37,29 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+# The PyTorch side of the conversion: the `torch` extra of pyproject.toml.
+TORCH_MODULES = ("torch", "safetensors")
+TORCH_INSTALL = 'pip install torch==2.13.0 && pip install -e ".[torch]"'
+
+
+def missing_torch(e: ModuleNotFoundError) -> bool:
+    return (e.name or "").split(".")[0] in TORCH_MODULES
+
+
+def torch_missing_message(e: ModuleNotFoundError, command: str) -> str:
+    return (f"{command} needs {e.name}, which is not installed: {TORCH_INSTALL} "
+            "(the pinned torch is a CPU build; see README.md)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from fractus_jax.convert import ConversionError
-    from fractus_jax.convert import run
     from fractus_jax.train.checkpoint import CheckpointError
     from fractus_jax.train.config import ConfigError
 
     warn = lambda msg: print(f"warning: {msg}", file=sys.stderr)  # noqa: E731
     try:
+        from fractus_jax.convert import run
         if args.command == "export":
             for path in run.export_run(args.ckpt, args.out, opt=args.opt, hub=args.hub):
                 print(path)
@@ -57,6 +71,11 @@ def main(argv=None) -> int:
                   f"batch {meta['batch_size']}, carry {meta['carry']}")
     except (ConversionError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if not missing_torch(e):
+            raise
+        print(f"error: {torch_missing_message(e, 'convert ' + args.command)}", file=sys.stderr)
         return 2
     return 0
 

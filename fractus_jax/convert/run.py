@@ -19,6 +19,7 @@ from fractus_jax import convert
 from fractus_jax.config import WEIGHT_FIELDS
 from fractus_jax.convert import ConversionError, files, names, optim
 from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import rundir
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import TrainConfig, apply_overrides, load_config
 
@@ -225,15 +226,22 @@ def import_checkpoint(pt, out, config: str, overrides: Sequence[str] = (), opt_f
              "step": np.asarray(meta["step"], np.int32),
              "skipped": np.asarray(_as_int(ck, "skipped", ck.extras.get("skipped", 0)), np.int32)}
     created = not out.exists()
+    out_dir = rundir.RunDir(out, log=log).open()   # one writer: a trainer on out is refused, and refuses
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        writer = ckpt_lib.RunCheckpointer(out, keep=cfg.keep_checkpoints)
-        try:
-            writer.save(state, meta)
-        finally:
-            writer.close()
+        _check_out(out)   # still no run: nothing wrote one before the lock was taken
     except BaseException:
+        out_dir.close(quiet=True)
+        raise
+    try:
+        writer = ckpt_lib.RunCheckpointer(out, keep=cfg.keep_checkpoints, log=log)
+        out_dir.checkpointer = writer
+        writer.save(state, meta)
+    except BaseException as e:
+        out_dir.close(quiet=True)
         if created:
             shutil.rmtree(out, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise rundir.io_error("cannot write", out, e, None) from None
         raise
+    out_dir.close()
     return meta

@@ -306,8 +306,7 @@ def capacity_change(cfg: TrainConfig, new_cfg: TrainConfig) -> Optional[dict]:
     """Per-expert capacity of one dispatch group, before and after (None without capacity)."""
     if cfg.model.capacity_factor is None:
         return None
-    n_dev = cfg.mesh.data * cfg.mesh.fsdp
-    rows = cfg.model.moe_group_rows or max(1, cfg.batch_size // n_dev)
+    rows = cfg.model.moe_group_rows or cfg.batch_size
     T = rows * cfg.seq_len
     cap = lambda m: moe_k.expert_capacity(T, m.n_experts, m.top_k, m.capacity_factor)  # noqa: E731
     return {"group_tokens": T, "before": cap(cfg.model), "after": cap(new_cfg.model)}

@@ -1,12 +1,12 @@
 """Grow a run directory: read one checkpoint, check, grow, probe, write a new run directory.
 
-Everything a user can get wrong is checked before anything is written; the new directory
-is written under a temporary name beside --out and renamed when complete.
+Everything a user can get wrong is checked before anything is written. The new run is
+written under a temporary name beside --out, then moved into --out (checkpoints, the
+metrics log, the manifest last) while --out is locked as a run directory.
 """
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import shutil
 from pathlib import Path
@@ -18,11 +18,12 @@ import numpy as np
 from fractus_jax import grow as grow_lib
 from fractus_jax.grow import GrowthError, GrowthSpec
 from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import rundir
 from fractus_jax.train.config import ConfigError, TrainConfig, apply_overrides
 
 Log = Callable[[str], None]
 HITS_SOURCES = ("auto", "probe", "metrics", "none")
-METRICS = "metrics.jsonl"
+METRICS = rundir.METRICS
 
 
 def load_state(run_dir: Path, step: int, cfg: TrainConfig):
@@ -33,7 +34,7 @@ def load_state(run_dir: Path, step: int, cfg: TrainConfig):
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise GrowthError(f"--out {out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(p.name != rundir.LOCK for p in out.iterdir()):
         raise GrowthError(f"--out {out} is not empty; grow into a new directory")
 
 
@@ -78,11 +79,7 @@ def metrics_hits(run_dir: Path, step: int, shape) -> Optional[np.ndarray]:
     if not path.exists():
         return None
     hits = None
-    for line in path.read_text().splitlines():
-        try:
-            m = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for _, m in rundir.read_metrics(path):
         if m.get("step", 0) <= step and "expert_hits" in m:
             hits = m["expert_hits"]
     if hits is None or np.asarray(hits).shape != tuple(shape):
@@ -139,31 +136,52 @@ def grow_run(ckpt, out, growth: GrowthSpec, overrides: Sequence[str] = (), hits:
               "new_expert_phases": np.round(phases, 6).tolist() if spec.add_experts else None,
               "capacity_per_expert": grow_lib.capacity_change(cfg, new_cfg)}
     new_meta = {**meta, "config": new_cfg.to_dict(), "growth": [*meta.get("growth", []), record]}
-    _write(out, grown, new_meta, run_dir, step, new_cfg)
+    _write(out, grown, new_meta, run_dir, step, new_cfg, log)
     return record
 
 
-def _write(out: Path, state, meta: dict, run_dir: Path, step: int, cfg: TrainConfig) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
+def _write(out: Path, state, meta: dict, run_dir: Path, step: int, cfg: TrainConfig, log: Log = print) -> None:
+    """Write the grown run beside out, then move it in (the manifest last), out locked all along."""
+    created = not out.exists()
+    out_dir = rundir.RunDir(out, log=log).open()   # a trainer started on out meanwhile is refused
+    try:
+        _check_out(out)   # still empty: nothing wrote it before the lock was taken
+    except BaseException:
+        out_dir.close(quiet=True)
+        raise
     tmp = out.parent / f".{out.name}.growing-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    moved = []
     try:
-        writer = ckpt_lib.RunCheckpointer(tmp, keep=cfg.keep_checkpoints)
+        tmp.mkdir()
+        # the history up to the grown step, so plots continue
+        rundir.copy_metrics(run_dir / METRICS, tmp / METRICS, step, log)
+        writer = ckpt_lib.RunCheckpointer(tmp, keep=cfg.keep_checkpoints, log=log)
         try:
             writer.save(state, meta)
         finally:
             writer.close()
-        src = run_dir / METRICS
-        if src.exists():   # the history up to the grown step, so plots continue
-            lines = [ln for ln in src.read_text().splitlines() if ln.strip()]
-            keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
-            (tmp / METRICS).write_text("".join(ln + "\n" for ln in keep))
-        if out.exists():
-            out.rmdir()   # empty (checked)
-        os.replace(tmp, out)
-    except BaseException:
+        for name in (ckpt_lib.CHECKPOINTS, METRICS, ckpt_lib.MANIFEST):
+            if (tmp / name).exists():
+                os.replace(tmp / name, out / name)
+                moved.append(out / name)
+        tmp.rmdir()
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        for target in moved:
+            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        if created:
+            (out / rundir.LOCK).unlink(missing_ok=True)
+        out_dir.close(quiet=True)
+        if created:
+            try:
+                out.rmdir()
+            except OSError:
+                pass
+        if isinstance(e, OSError):
+            raise rundir.io_error("cannot write", out, e, None) from None
         raise
+    out_dir.close()
 
 
 def resume_overrides(growth: list) -> list[str]:

@@ -9,7 +9,7 @@ Two ways to run the experts, tied together by the tests:
   * `moe_capacity`: the fast path. Each expert has `capacity` slots per group of T tokens;
     assignments fill them first choices of all tokens before second choices, tokens are
     gathered by index into a fixed (E, capacity, D) buffer (no one-hot dispatch einsum:
-    its cost grows with T², see DESIGN_NOTES), the four low-rank einsums run on the buffer,
+    its cost grows with T²), the four low-rank einsums run on the buffer,
     and outputs are gathered back. An assignment that finds its expert full contributes 0.
 
 Expert factors (a dict): U1 (E,F,r), V1 (E,D,r), U2 (E,D,r), V2 (E,F,r), scale1, scale2
@@ -151,6 +151,60 @@ def moe_exact(x_TxD, idx_TxK, w_TxK, f):
     x_ExTxD = jnp.broadcast_to(x_TxD, (n_experts,) + x_TxD.shape)
     out_ExTxD = experts_apply(x_ExTxD, f)
     return jnp.einsum("te,etd->td", combine_TxE.astype(out_ExTxD.dtype), out_ExTxD)
+
+
+def dropless_blocks(n_tokens: int, n_experts: int, top_k: int, block: int) -> int:
+    """Blocks of `block` rows that hold every assignment of T tokens with each expert's
+    rows padded to whole blocks: Σ_e ⌈c_e/b⌉ ≤ ⌊(T·K + E·(b − 1)) / b⌋ for any counts c_e."""
+    return (n_tokens * top_k + n_experts * (block - 1)) // block
+
+
+def _dropless_dispatch(idx_TxK, n_experts: int, block: int):
+    """Slots of one group's assignments, each expert's rows in whole blocks of `block`:
+    (slot_A, token_of_slot, expert_of_block), assignments token-major (t·K + k)."""
+    n_tokens, top_k = idx_TxK.shape
+    n_blocks = dropless_blocks(n_tokens, n_experts, top_k, block)
+    expert_A = idx_TxK.reshape(-1)
+    token_A = jnp.repeat(jnp.arange(n_tokens, dtype=jnp.int32), top_k)
+    onehot_AxE = jax.nn.one_hot(expert_A, n_experts, dtype=jnp.int32)
+    rank_A = jnp.sum(jnp.cumsum(onehot_AxE, axis=0) * onehot_AxE, axis=-1) - 1
+    blocks_E = (onehot_AxE.sum(0) + block - 1) // block
+    end_E = jnp.cumsum(blocks_E)                                      # in blocks
+    slot_A = (end_E - blocks_E)[expert_A] * block + rank_A
+    n_slots = n_blocks * block
+    token_of_slot = jnp.full((n_slots,), n_tokens, jnp.int32).at[slot_A].set(token_A)
+    # Blocks past the last expert's hold only empty slots; any expert serves them.
+    expert_of_block = jnp.minimum(
+        jnp.searchsorted(end_E, jnp.arange(n_blocks, dtype=end_E.dtype), side="right"), n_experts - 1)
+    return slot_A, token_of_slot, expert_of_block
+
+
+def moe_dropless(x_TxD, idx_TxK, w_TxK, f, block: int):
+    """Every assignment to its expert, no capacity: y (T, D), or (G, T, D) per group.
+
+    The assignments are laid out expert by expert, each expert's rows padded to whole
+    blocks of `block` rows; every block takes its expert's factors (a gather of
+    (blocks, A, r) weights) and the four low-rank products run block by block. Rows
+    ≤ T·K + E·(b − 1) per group: the work of the chosen experts plus at most one partial
+    block per expert. Empty slots read a zero row and are never read back, so their
+    cotangent, and their share of every gradient, is zero.
+    """
+    if x_TxD.ndim == 2:
+        return moe_dropless(x_TxD[None], idx_TxK[None], w_TxK[None], f, block)[0]
+    n_groups, n_tokens, top_k = idx_TxK.shape
+    n_experts, d_model = f["b2"].shape
+    slot_A, token_of_slot, expert_of_block = jax.vmap(
+        lambda i: _dropless_dispatch(i, n_experts, block))(idx_TxK)
+    n_blocks = expert_of_block.shape[-1]
+    x_pad = jnp.concatenate([x_TxD, jnp.zeros((n_groups, 1, d_model), x_TxD.dtype)], axis=1)
+    x_NxbxD = jnp.take_along_axis(x_pad, token_of_slot[..., None], axis=1).reshape(
+        n_groups * n_blocks, block, d_model)
+    expert_N = expert_of_block.reshape(-1)
+    f_N = {k: f[k][expert_N] for k in ("U1", "V1", "U2", "V2", "scale1", "scale2", "b1", "b2")}
+    out = experts_apply(x_NxbxD, f_N).reshape(n_groups, n_blocks * block, d_model)
+    out_GxTxKxD = jnp.take_along_axis(out, slot_A[..., None], axis=1).reshape(
+        n_groups, n_tokens, top_k, d_model)
+    return jnp.einsum("gtk,gtkd->gtd", w_TxK.astype(out.dtype), out_GxTxKxD)
 
 
 def expert_capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor) -> int:

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import shlex
 import sys
+from pathlib import Path
 
 
 def parse_args(argv=None):
@@ -38,6 +41,7 @@ def init_distributed(args) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     from fractus_jax.atom.corpus import CorpusError
     from fractus_jax.train import checkpoint, config, data, loop
@@ -47,21 +51,83 @@ def main(argv=None) -> int:
     import jax
 
     from fractus_jax import hostmem
-    note = hostmem.cpu_training_note(jax.default_backend())
-    if note and jax.process_index() == 0:
-        print(note, file=sys.stderr)
+    lead = jax.process_index() == 0
     try:
         cfg = config.apply_overrides(config.load_config(args.config), args.overrides)
         plan = loop.prepare(cfg, args.workdir, progress=not args.no_progress)
+        # The run is about to train: the allocator's note now (not on a refused run).
+        note = hostmem.cpu_training_note(jax.default_backend())
+        if note and lead:
+            print(note, file=sys.stderr)
         last = loop.run(plan, progress=not args.no_progress,
                         log=lambda msg: print(msg, file=sys.stderr))
     except user_errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if last:
+    if last and lead:
         print(f"step {last['step']}: ce_tf {last['ce_tf']:.4f} ema_tf {last['ema_tf']:.4f} "
               f"{last['ids_per_s_tf']:.0f} ids/s", file=sys.stderr)
+    if lead:
+        print(outputs_summary(args, argv, plan.cfg, checkpoint.read_manifest(args.workdir)), file=sys.stderr)
     return 0
+
+
+def _script(name: str) -> str:
+    """scripts/NAME as the user can type it: relative to the working directory when inside it."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / name
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def outputs_summary(args, argv, cfg, manifest) -> str:
+    """Where a finished (or stopped) run's outputs are, and the commands that use them."""
+    from fractus_jax.train.loop import METRICS
+
+    workdir = Path(args.workdir)
+    q = shlex.quote
+    lines = [f"run directory: {workdir}"]
+    if manifest is None:
+        lines.append("  no checkpoint yet")
+    else:
+        step = int(manifest["step"])
+        lines.append(f"  last checkpoint: step {step} ({workdir / manifest.get('checkpoint', f'checkpoints/{step}')})")
+    lines.append(f"  metrics: {workdir / METRICS}")
+    done = manifest is not None and int(manifest["step"]) >= cfg.max_steps
+    lines.append("next:")
+    if done:   # the same command resumes; at max_steps it has nothing left to do
+        more = _without_max_steps(argv) + ["--set", f"max_steps={2 * cfg.max_steps if cfg.max_steps else 100}"]
+        lines.append(f"  train further: {shlex.join(['python', '-m', 'fractus_jax.train', *more])}")
+    else:
+        lines.append(f"  resume (the same command): {shlex.join(['python', '-m', 'fractus_jax.train', *argv])}")
+    if manifest is not None:
+        lines.append(f"  generate: python -m fractus_jax.generate --ckpt {q(str(workdir))} --prompt 'def main('")
+        lines.append(f"  export: python -m fractus_jax.convert export --ckpt {q(str(workdir))} "
+                     f"--out {q(str(workdir / 'model.pt'))}" + _needs("torch", "torch"))
+    lines.append(f"  plot: python {q(_script('plot_metrics.py'))} {q(str(workdir))}" + _needs("matplotlib", "plot"))
+    return "\n".join(lines)
+
+
+def _needs(module: str, extra: str) -> str:
+    """A reminder of the extra to install, where its module is missing."""
+    if importlib.util.find_spec(module) is not None:
+        return ""
+    return f"   (first: pip install -e \".[{extra}]\")"
+
+
+def _without_max_steps(argv: list[str]) -> list[str]:
+    """argv less its --set max_steps=... overrides (the summary proposes a new one)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        value = argv[i + 1] if a == "--set" and i + 1 < len(argv) else (a[6:] if a.startswith("--set=") else None)
+        if value is not None and value.split("=", 1)[0].strip() in ("max_steps", "MAX_STEPS"):
+            i += 2 if a == "--set" else 1
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 if __name__ == "__main__":

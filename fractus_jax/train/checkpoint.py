@@ -1,63 +1,156 @@
-"""Run directories: Orbax checkpoints plus a human-readable manifest.
+"""Run directories: Orbax checkpoints, their checksums, and a human-readable manifest.
 
     DIR/checkpoints/<step>/{params, opt_state, extra, meta}   (Orbax, committed atomically)
+    DIR/checkpoints/<step>/checksums.json                     (written after the commit)
     DIR/manifest.json                                          (rewritten after each commit)
     DIR/metrics.jsonl
 
 Orbax writes a step into a temporary directory and renames it when complete, so a crash
-mid-write leaves the previous step intact (a new manager ignores the leftover). The
-manifest is written after the commit, by rename too, so it never names a step that is not
-on disk. Parameters, optimizer moments and the rest are separate items: inference and
-conversion restore only what they need.
+mid-write leaves the previous step intact (a new manager ignores the leftover; the trainer
+removes it at start). After the commit, `checksums.json` records the sha256 of every file of
+each item and whether the saved weights and moments were finite; then the manifest is
+written, by rename too. The committed steps are the truth: a resume takes the newest step
+whose files match their checksums, whose meta reads and whose restored arrays are finite
+(`newest_good_step`, `restore_good`), and the manifest is repaired from it. Parameters,
+optimizer moments and the rest are separate items: inference and conversion restore only
+what they need. The lock, the manifest's files and the metrics log are `rundir.py`'s.
 """
 from __future__ import annotations
 
-import datetime
+import hashlib
 import json
-import os
+import logging
+import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from fractus_jax.config import EngineConfig
+from fractus_jax.train import rundir
 from fractus_jax.train.config import TrainConfig
+from fractus_jax.train.rundir import (CHECKPOINTS, FORMAT_VERSION, MANIFEST, CheckpointError,  # noqa: F401
+                                      read_manifest, write_json_atomic)
 
-CHECKPOINTS = "checkpoints"
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
 ITEMS = ("params", "opt_state", "extra", "meta")
 COMMIT_GUESS_SECONDS = 30.0   # a save's time to commit, until one is measured
+CHECKSUMS = "checksums.json"
+CHECKED_FINITE = ("params", "opt_state")
 
 
-class CheckpointError(ValueError):
-    """A run directory that cannot be used as asked."""
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+# ----------------------------------------------------------------------------- integrity
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def read_manifest(workdir) -> Optional[dict]:
-    path = Path(workdir) / MANIFEST
-    if not path.exists():
-        return None
+def item_checksums(item_dir: Path) -> dict:
+    """{relative path: sha256} of every file of one item of a committed step."""
+    return {str(p.relative_to(item_dir)): _file_sha256(p)
+            for p in sorted(item_dir.rglob("*")) if p.is_file()}
+
+
+def write_checksums(step_dir: Path, finite: dict) -> None:
+    """The step's record, after its commit: each item's files and their sha256 (read back at
+    about 1.7 GB/s here), and whether params and opt_state were finite when saved."""
+    record = {"format": 1, "algorithm": "sha256 of each file",
+              "items": {item: item_checksums(step_dir / item) for item in ITEMS},
+              "finite": {k: bool(v) for k, v in finite.items()}}
+    write_json_atomic(step_dir / CHECKSUMS, record)
+
+
+def read_checksums(step_dir: Path) -> Optional[dict]:
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+        record = json.loads((step_dir / CHECKSUMS).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("items"), dict) else None
+
+
+def check_files(step_dir: Path) -> tuple[str, Optional[str]]:
+    """("ok" | "unchecked" | "bad", why): a step's files against its checksums.json.
+    "unchecked": no (readable) record, as for a save cut before it wrote one or an older run."""
+    record = read_checksums(step_dir)
+    if record is None:
+        return "unchecked", None
+    for item, files in record["items"].items():
+        item_dir = step_dir / item
+        if not item_dir.is_dir():
+            return "bad", f"{item} is missing"
+        have = {str(p.relative_to(item_dir)) for p in item_dir.rglob("*") if p.is_file()}
+        for name, digest in files.items():
+            try:
+                ok = _file_sha256(item_dir / name) == digest
+            except OSError as e:
+                return "bad", f"{item} could not be read ({name}: {rundir.reason(e)})"
+            if not ok:
+                return "bad", f"{item} failed its checksum ({name} differs)"
+        extra = sorted(have - set(files))
+        if extra:
+            return "bad", f"{item} failed its checksum ({extra[0]} was not saved with it)"
+    return "ok", None
+
+
+@jax.jit
+def _finite_flags(tree):
+    return [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+
+
+def non_finite(tree) -> dict[str, list[str]]:
+    """{item: [paths of leaves holding NaN or Inf]} of {item: subtree} (float leaves only)."""
+    picked = {item: {_dotted(path): leaf
+                     for path, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]
+                     if jnp.issubdtype(leaf.dtype, jnp.inexact)}
+              for item, sub in tree.items()}
+    flags = jax.device_get(_finite_flags(picked))
+    # jax.tree.leaves orders dict keys sorted: so do the names
+    names = [(item, name) for item in sorted(picked) for name in sorted(picked[item])]
+    out: dict[str, list[str]] = {}
+    for (item, name), ok in zip(names, flags):
+        if not bool(ok):
+            out.setdefault(item, []).append(name)
+    return out
+
+
+def _dotted(path) -> str:
+    """blocks.moe.V1 for a tree path (dict keys, sequence indices, attribute names)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _leaf_list(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+class _ReadOnlyNotice(logging.Filter):
+    """Drops Orbax's warning that a read-only manager is read-only (it logs one for every
+    manager built to read, which every load does); other absl messages pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+_READ_ONLY_NOTICE = _ReadOnlyNotice()
 
 
 def _manager(workdir, keep: int = 3, read_only: bool = False, asynchronous: bool = False) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                           enable_async_checkpointing=asynchronous, read_only=read_only)
+    if read_only:
+        logging.getLogger("absl").addFilter(_READ_ONLY_NOTICE)   # once: a filter is added once
+        # The values Orbax would force for a read-only manager, given up front: it logs a
+        # warning for every option it has to change.
+        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=False, save_interval_steps=0,
+                                               enable_async_checkpointing=False, read_only=True)
+    else:
+        # Retention is RunCheckpointer._prune's: Orbax would delete the newest good step.
+        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
+                                               enable_async_checkpointing=asynchronous)
     return ocp.CheckpointManager(Path(workdir).resolve() / CHECKPOINTS, options=options, item_names=ITEMS)
 
 
@@ -65,58 +158,138 @@ class RunCheckpointer:
     """Saves and restores a trainer's state in a run directory.
 
     With `asynchronous=True`, `save` returns once the arrays are copied off the devices
-    and Orbax writes them in the background while training goes on; the manifest that
-    names the step is written only when `poll` (or `wait`) sees the write committed.
+    and Orbax writes them in the background while training goes on; the checksums and the
+    manifest that names the step are written only when `poll` (or `wait`) sees the write
+    committed. Retention is done here, not by Orbax: the newest `keep` steps stay, and so
+    does the newest good step (finite when saved, or restored and checked) whatever newer
+    steps there are. I/O failures raise `rundir.RunDirIOError` naming the path and the last
+    good step.
     """
 
-    def __init__(self, workdir, keep: int = 3, read_only: bool = False, asynchronous: bool = False):
+    def __init__(self, workdir, keep: int = 3, read_only: bool = False, asynchronous: bool = False,
+                 log: Optional[Callable[[str], None]] = None):
         self.workdir = Path(workdir)
-        self.manager = _manager(workdir, keep, read_only, asynchronous)
-        self._pending_manifest = None
+        self.keep = keep
+        self.read_only = read_only
+        self.log = log or _stderr
+        try:
+            self.manager = _manager(workdir, keep, read_only, asynchronous)
+        except Exception as e:   # noqa: BLE001 - Orbax and the OS raise many kinds
+            raise rundir.io_error("cannot open the checkpoints of", self.workdir, e, None) from None
+        self._pending = None      # (meta, finite flags) of the save being written
         self._save_started = 0.0
+        self._good: dict[int, bool] = {}   # step -> finite, for the steps saved or restored here
+        self._closed = False
+        # The newest step known committed and good: named by error messages.
+        self.last_good: Optional[int] = None
         # Seconds from a save's start to its commit (an upper bound when seen by poll);
         # a guess until one is measured. The trainer's deadline margin uses it.
         self.commit_seconds = COMMIT_GUESS_SECONDS
 
+    @property
+    def _pending_manifest(self):
+        return None if self._pending is None else self._pending[0]
+
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
+
+    def reload(self) -> None:
+        """See the steps on disk again (after steps were moved aside)."""
+        self.manager.reload()
+
+    def step_dir(self, step: int) -> Path:
+        return self.workdir / CHECKPOINTS / str(step)
 
     def save(self, state, meta: dict, block: bool = True) -> None:
         self.wait()   # one write at a time: the previous manifest first
         step = int(meta["step"])
+        if step in self.manager.all_steps():
+            # Committed already (the state a run resumed from, or saved before a growth): the
+            # same step of a deterministic run is the same state.
+            return
+        meta = rundir.finite_json(meta)
         extra = {k: state[k] for k in ("carry", "step", "skipped")}
+        bad = non_finite({k: state[k] for k in CHECKED_FINITE})
+        for item, leaves in bad.items():
+            self.log(f"warning: step {step}: {item} holds NaN or Inf ({_leaf_list(leaves)}); saved, but not "
+                     "kept in place of the last good checkpoint, and a resume skips it")
         # Started before manager.save: its copy off the devices is part of what a save costs.
         self._save_started = time.time()
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(state["params"]),
-            opt_state=ocp.args.StandardSave(state["opt_state"]),
-            extra=ocp.args.StandardSave(extra),
-            meta=ocp.args.JsonSave(meta)), force=True)
-        self._pending_manifest = meta
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(state["params"]),
+                opt_state=ocp.args.StandardSave(state["opt_state"]),
+                extra=ocp.args.StandardSave(extra),
+                meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:   # noqa: BLE001 - OSError, tensorstore's ValueError, ...
+            raise rundir.io_error(f"cannot save step {step} to", self.workdir / CHECKPOINTS, e,
+                                  self.last_good) from None
+        self._pending = (meta, {k: k not in bad for k in CHECKED_FINITE})
         if block:
             self.wait()
 
     def save_seconds(self) -> float:
         """A blocking save's expected seconds from now: the last commit time, twice that while a
         background save is still being written (a save waits for it first)."""
-        return self.commit_seconds * (1 if self._pending_manifest is None else 2)
+        return self.commit_seconds * (1 if self._pending is None else 2)
 
     def poll(self) -> None:
-        """Write the manifest of a background save that has committed."""
-        if self._pending_manifest is not None and not self.manager.is_saving_in_progress():
+        """Finish a background save that has committed (checksums, retention, manifest)."""
+        if self._pending is not None and not self.manager.is_saving_in_progress():
             self.wait()
 
     def wait(self) -> None:
-        """Block until the last save is committed, then write its manifest."""
-        if self._pending_manifest is None:
+        """Block until the last save is committed, then record its checksums, drop the steps
+        retention lets go, and write its manifest (when it is good)."""
+        if self._pending is None:
             return
-        self.manager.wait_until_finished()
+        (meta, finite), self._pending = self._pending, None
+        step = int(meta["step"])
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:   # noqa: BLE001
+            raise rundir.io_error(f"cannot save step {step} to", self.workdir / CHECKPOINTS, e,
+                                  self.last_good) from None
+        good = all(finite.values())
+        self._good[step] = good
+        if good:   # committed: a resume takes it, checksums or not
+            self.last_good = step
+        lead = jax.process_index() == 0
+        try:
+            if lead:
+                write_checksums(self.step_dir(step), finite)
+            try:
+                self._prune()
+            except Exception as e:   # noqa: BLE001 - an old step that stays is no loss
+                self.log(f"warning: cannot delete old checkpoints in {self.workdir / CHECKPOINTS} "
+                         f"({rundir.reason(e)})")
+            if lead and good:
+                rundir.write_manifest(self.workdir, meta)
+        except OSError as e:
+            raise rundir.io_error(f"cannot finish step {step} in", self.workdir, e, self.last_good) from None
+        # The whole save: the copy off the devices, the write, the checksums, the manifest.
         self.commit_seconds = time.time() - self._save_started
-        meta, self._pending_manifest = self._pending_manifest, None
-        if jax.process_index() == 0:
-            manifest = dict(meta, checkpoint=f"{CHECKPOINTS}/{meta['step']}", format=FORMAT_VERSION,
-                            time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-            write_json_atomic(self.workdir / MANIFEST, manifest)
+
+    def _is_good(self, step: int) -> bool:
+        if step not in self._good:
+            record = read_checksums(self.step_dir(step)) or {}
+            finite = record.get("finite") or {}
+            self._good[step] = bool(finite) and all(finite.values())
+        return self._good[step]
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` steps and the newest good one; delete the others."""
+        if not self.keep or self.keep < 1:
+            return
+        steps = sorted(self.manager.all_steps())
+        keep = set(steps[-self.keep:])
+        good = [s for s in steps if self._is_good(s)]
+        if good:
+            keep.add(good[-1])
+        for s in steps:
+            if s not in keep:
+                self.manager.delete(s)
+                self._good.pop(s, None)
 
     def _existing_step(self, step: Optional[int]) -> int:
         """step, or the latest one when None; refused when the directory does not hold it."""
@@ -148,22 +321,118 @@ class RunCheckpointer:
             state.update(restored["extra"])
         return state, restored["meta"]
 
+    def restore_good(self, abstract_state, step: int, rejected=(), usable=None):
+        """(step, state, meta, rejected) of the newest step from `step` down that restores and is
+        finite; each step that is not joins `rejected` as (step, why). `usable(meta)` returns why
+        an older step cannot stand in (another shape), or None. Raises CheckpointError, having
+        changed nothing, when no step is left."""
+        rejected = list(rejected)
+        while step is not None:
+            why = None
+            try:
+                state, meta = self.restore(abstract_state, step)
+            except Exception as e:   # noqa: BLE001 - a damaged file fails in many ways
+                why = f"could not be restored ({rundir.reason(e)})"
+            else:
+                bad = non_finite({k: state[k] for k in CHECKED_FINITE})
+                if bad:
+                    item = next(iter(bad))
+                    why = f"{item} holds NaN or Inf ({_leaf_list(bad[item])})"
+                else:
+                    self._good[step] = True
+                    self.last_good = step
+                    self._record_missing_checksums(step)
+                    return step, state, dict(meta), rejected
+            rejected.append((step, why))
+            step, meta, more, _ = newest_good_step(self.workdir, below=step)
+            rejected += more
+            if step is not None and usable is not None and usable(meta):
+                raise CheckpointError(no_good_step_message(self.workdir, rejected, f"step {step} {usable(meta)}"))
+        raise CheckpointError(no_good_step_message(self.workdir, rejected))
+
+    def _record_missing_checksums(self, step: int) -> None:
+        """A step restored and found finite that has no checksums (cut before it wrote them)
+        gets them now, so that a later change to its files is caught."""
+        step_dir = self.step_dir(step)
+        if jax.process_index() != 0 or self.read_only or read_checksums(step_dir) is not None:
+            return
+        try:
+            write_checksums(step_dir, {k: True for k in CHECKED_FINITE})
+        except OSError as e:
+            self.log(f"warning: cannot record the checksums of step {step} ({rundir.reason(e)})")
+
     def close(self) -> None:
-        self.wait()
-        self.manager.close()
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self.manager.close()
+
+
+def rejection_warnings(rejected, step: int) -> list[str]:
+    """`warning: step N: <what failed>; falling back to step M (<detail>)` for each rejected step."""
+    out = []
+    for s, why in rejected:
+        what, sep, detail = why.partition(" (")
+        out.append(f"warning: step {s}: {what}; falling back to step {step}" + (f" ({detail}" if sep else ""))
+    return out
+
+
+def no_good_step_message(workdir, rejected, stop: Optional[str] = None) -> str:
+    detail = "; ".join(f"step {s}: {why}" for s, why in rejected)
+    return (f"{workdir}: no checkpoint can be resumed ({detail}{'; ' + stop if stop else ''}). Nothing was "
+            f"changed; move {Path(workdir) / CHECKPOINTS} away to start afresh")
+
+
+def newest_good_step(workdir, below: Optional[int] = None):
+    """(step, meta, rejected, note) of the newest committed step (below `below`) whose files
+    match their checksums and whose meta reads, without reading any array. rejected: the
+    (step, why) of newer steps that do not; note: set when the step has no checksums to check.
+    (None, None, rejected, None) when no step qualifies. Nothing is written."""
+    workdir = Path(workdir)
+    rejected = []
+    if not (workdir / CHECKPOINTS).is_dir():
+        return None, None, rejected, None
+    ck = RunCheckpointer(workdir, read_only=True)
+    try:
+        for step in sorted(ck.manager.all_steps(), reverse=True):
+            if below is not None and step >= below:
+                continue
+            status, why = check_files(ck.step_dir(step))
+            if status == "bad":
+                rejected.append((step, why))
+                continue
+            try:
+                _, meta = ck.read_meta(step)
+            except Exception as e:   # noqa: BLE001
+                rejected.append((step, f"meta could not be read ({rundir.reason(e)})"))
+                continue
+            if meta.get("step", step) != step:
+                rejected.append((step, "meta is incomplete"))
+                continue
+            note = None
+            if status == "unchecked":
+                note = (f"note: step {step} has no checksums (saved before they were recorded, or the save was "
+                        "cut before it wrote them): its arrays are checked for finite values only")
+            return step, meta, rejected, note
+    finally:
+        ck.close()
+    return None, None, rejected, None
 
 
 def resolve_checkpoint(ckpt) -> tuple[Path, Optional[int]]:
-    """A run directory (its latest step) or DIR/checkpoints/<step> → (run dir, step or None)."""
+    """A run directory (its newest good step) or DIR/checkpoints/<step> → (run dir, step or None)."""
     path = Path(ckpt)
     if not path.exists():
         raise CheckpointError(f"{path}: no such run directory or checkpoint")
-    if (path / MANIFEST).is_file():
+    if (path / MANIFEST).is_file() or (path / CHECKPOINTS).is_dir():
         return path, None
     run_dir = path.parent.parent
-    if path.parent.name == CHECKPOINTS and path.name.isdigit() and (run_dir / MANIFEST).is_file():
+    if path.parent.name == CHECKPOINTS and path.name.isdigit():
         return run_dir, int(path.name)
-    raise CheckpointError(f"{path} is neither a run directory (no {MANIFEST}) "
+    raise CheckpointError(f"{path} is neither a run directory (no {MANIFEST}, no {CHECKPOINTS}/) "
                           f"nor a step directory DIR/{CHECKPOINTS}/<step>")
 
 
@@ -172,17 +441,34 @@ def abstract_with_shardings(abstract, shardings):
 
 
 def read_step(run_dir, step: Optional[int] = None) -> tuple[int, dict, TrainConfig]:
-    """(step, the meta saved with it, its TrainConfig); the latest step when step is None.
+    """(step, the meta saved with it, its TrainConfig); the newest good step (`newest_good_step`,
+    with a warning for each newer one that fails its checks) when step is None.
 
     The config is the one saved with that step, i.e. the shapes its arrays have: a run grown
     in place (`grow_at`) holds steps of two shapes, and its manifest describes only the
     latest. Checkpoints whose meta holds no config take the manifest's (set into meta too).
     """
-    ck = RunCheckpointer(run_dir, read_only=True)
-    try:
-        step, meta = ck.read_meta(step)
-    finally:
-        ck.close()
+    if step is None:
+        step, meta, rejected, _ = newest_good_step(run_dir)
+        if step is None:
+            if rejected:
+                raise CheckpointError(no_good_step_message(run_dir, rejected))
+            raise CheckpointError(f"{run_dir} holds no checkpoint")
+        for line in rejection_warnings(rejected, step):
+            _stderr(line)
+    else:
+        status, why = check_files(Path(run_dir) / CHECKPOINTS / str(step))
+        if status == "bad":
+            raise CheckpointError(f"{run_dir}: step {step}: {why}")
+        ck = RunCheckpointer(run_dir, read_only=True)
+        try:
+            step, meta = ck.read_meta(step)
+        except CheckpointError:
+            raise
+        except Exception as e:   # noqa: BLE001
+            raise CheckpointError(f"{run_dir}: step {step}: meta could not be read ({rundir.reason(e)})") from None
+        finally:
+            ck.close()
     if "config" not in meta:
         manifest = read_manifest(run_dir)
         if manifest is None or "config" not in manifest:
@@ -206,14 +492,24 @@ def restore_one_device(run_dir, step: int, cfg: TrainConfig, items=("params", "o
     ckpt = RunCheckpointer(run_dir, read_only=True)
     try:
         return ckpt.restore(one_device_abstract(cfg), step, items=items)
+    except CheckpointError:
+        raise
+    except Exception as e:   # noqa: BLE001 - a damaged or unreadable file fails in many ways
+        raise CheckpointError(f"{Path(run_dir) / CHECKPOINTS / str(step)} could not be restored "
+                              f"({rundir.reason(e)})") from None
     finally:
         ckpt.close()
 
 
-def load_for_inference(run_dir, step: Optional[int] = None):
-    """(params, EngineConfig) of a run directory's latest (or given) checkpoint, on one device."""
-    if read_manifest(run_dir) is None:
-        raise CheckpointError(f"{run_dir} is not a run directory (no {MANIFEST})")
+def load_for_inference(ckpt, step: Optional[int] = None):
+    """(params, EngineConfig) of a run directory's latest (or given) checkpoint, on one device.
+
+    `ckpt` is a run directory or one of its step directories (`resolve_checkpoint`, as for
+    export and grow); a step directory with a different `step` is refused."""
+    run_dir, named = resolve_checkpoint(ckpt)
+    if named is not None and step is not None and step != named:
+        raise CheckpointError(f"{ckpt} is the checkpoint of step {named}, and step {step} was asked for")
+    step = named if step is None else step
     step, _, cfg = read_step(run_dir, step)
     state, _ = restore_one_device(run_dir, step, cfg, items=("params",))
     return state["params"], cfg.model

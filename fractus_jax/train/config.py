@@ -7,8 +7,10 @@ The PyTorch trainers' environment names (BATCH, LR, ...) are accepted as overrid
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
+import math
 import typing
 from pathlib import Path
 from typing import Any, Optional
@@ -66,6 +68,7 @@ class TrainConfig:
     save_every: int = 1000
     save_every_minutes: float = 0.0
     keep_checkpoints: int = 3
+    max_skipped_steps: int = 50       # stop with an error after this many skipped steps in a row (0: never)
     probe_every: int = 0
     deadline: str = ""                # ISO time or unix seconds: save and stop before it
     init_from: str = ""               # a run directory whose weights start a fresh run
@@ -74,12 +77,41 @@ class TrainConfig:
     grow: GrowConfig = GrowConfig()
 
     def __post_init__(self):
+        def positive(x):   # > 0 and finite (NaN fails every comparison)
+            return 0.0 < x < math.inf
+
+        def non_negative(x):
+            return 0.0 <= x < math.inf
+
         checks = [
             (self.optimizer in ("adamw", "sgd"), f"optimizer must be adamw or sgd, got {self.optimizer!r}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
             (self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}"),
+            (self.max_steps >= 0, f"max_steps must be >= 0, got {self.max_steps}"),
+            (positive(self.lr), f"lr must be > 0 and finite, got {self.lr}"),
+            (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
+            (0.0 <= self.momentum < 1.0, f"momentum must be in [0, 1), got {self.momentum}"),
+            (0.0 <= self.b1 < 1.0, f"b1 must be in [0, 1), got {self.b1}"),
+            (0.0 <= self.b2 < 1.0, f"b2 must be in [0, 1), got {self.b2}"),
+            (positive(self.eps), f"eps must be > 0 and finite, got {self.eps}"),
+            (non_negative(self.weight_decay), f"weight_decay must be >= 0 and finite, got {self.weight_decay}"),
+            (positive(self.clip_norm), f"clip_norm must be > 0 and finite, got {self.clip_norm}"),
             (self.accum >= 1, f"accum must be >= 1, got {self.accum}"),
+            (self.ce_chunk >= 1, f"ce_chunk must be >= 1, got {self.ce_chunk}"),
+            (non_negative(self.lb_coef), f"lb_coef must be >= 0 and finite, got {self.lb_coef}"),
+            (non_negative(self.repeat_coef), f"repeat_coef must be >= 0 and finite, got {self.repeat_coef}"),
             (0.0 <= self.ss_rate <= 1.0, f"ss_rate must be in [0, 1], got {self.ss_rate}"),
+            (0.0 <= self.ss_p0 <= 1.0, f"ss_p0 must be in [0, 1], got {self.ss_p0}"),
+            (0.0 <= self.ss_p1 <= 1.0, f"ss_p1 must be in [0, 1], got {self.ss_p1}"),
+            (self.ss_ramp >= 0, f"ss_ramp must be >= 0, got {self.ss_ramp}"),
+            (positive(self.ss_temperature), f"ss_temperature must be > 0 and finite, got {self.ss_temperature}"),
+            (self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}"),
+            (self.save_every >= 1, f"save_every must be >= 1, got {self.save_every}"),
+            (non_negative(self.save_every_minutes),
+             f"save_every_minutes must be >= 0 and finite (0: off), got {self.save_every_minutes}"),
+            (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
+            (self.probe_every >= 0, f"probe_every must be >= 0 (0: off), got {self.probe_every}"),
+            (self.grow_at >= 0, f"grow_at must be >= 0 (0: off), got {self.grow_at}"),
             (self.start_token is None or self.start_token >= 0, f"start_token must be >= 0, got {self.start_token}"),
             (self.mesh.data >= 1 and self.mesh.fsdp >= 1, f"mesh sizes must be >= 1, got {self.mesh}"),
         ]
@@ -116,13 +148,27 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 def load_config(name: str) -> TrainConfig:
     """NAME → configs/NAME.py (or NAME as a path) → its get_config()."""
     path = Path(name)
-    if not (path.suffix == ".py" and path.exists()):
+    known = sorted(p.stem for p in CONFIG_DIR.glob("*.py")) if CONFIG_DIR.exists() else []
+    if path.suffix == ".py" and len(path.parts) == 1 and not path.exists():
+        name = path.stem   # smoke.py: configs/smoke.py
+        path = Path(name)
+    if path.suffix == ".py" or len(path.parts) > 1:
+        # A path: a file, or the name of a file that is not there (no configs/ lookup).
+        if path.suffix != ".py" and path.with_suffix(".py").is_file():
+            path = path.with_suffix(".py")
+        if path.is_dir():
+            raise ConfigError(f"--config {name}: {path} is a directory, not a config file")
+        if not path.is_file():
+            raise ConfigError(f"--config {name}: no such config file {path} "
+                              f"(or a name from configs/: {', '.join(known)})")
+    else:
         candidates = list(dict.fromkeys([Path.cwd() / "configs" / f"{name}.py", CONFIG_DIR / f"{name}.py"]))
         path = next((p for p in candidates if p.exists()), None)
         if path is None:
-            known = sorted(p.stem for p in CONFIG_DIR.glob("*.py")) if CONFIG_DIR.exists() else []
-            raise ConfigError(f"no config named {name!r} (looked in {', '.join(str(p) for p in candidates)}; "
-                              f"known: {', '.join(known)})")
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(f"no config named {name!r} ({hint}looked in "
+                              f"{', '.join(str(p) for p in candidates)}; known: {', '.join(known)})")
     spec = importlib.util.spec_from_file_location(f"fractus_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -160,8 +206,10 @@ def _parse(value: str, annotation, key: str):
 def _replace_path(obj, path: list[str], value: str, key: str):
     fields = {f.name: f for f in dataclasses.fields(obj)}
     if path[0] not in fields:
+        close = difflib.get_close_matches(path[0], list(fields), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
         raise ConfigError(f"--set {key}: {type(obj).__name__} has no field {path[0]!r} "
-                          f"(fields: {', '.join(fields)})")
+                          f"({hint}fields: {', '.join(fields)})")
     if len(path) == 1:
         field = fields[path[0]]
         hints = typing.get_type_hints(type(obj))
@@ -182,10 +230,21 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
         path = ALIASES.get(key, key)
         try:
             cfg = _replace_path(cfg, path.split("."), value.strip(), key)
-        except ConfigError:
-            raise
-        except ValueError as e:  # a __post_init__ check of the new value
-            raise ConfigError(f"--set {key}={value}: {e}") from None
+        except ValueError as e:  # a __post_init__ check of the new value (or a message that names it)
+            if isinstance(e, ConfigError) and str(e).startswith("--set"):
+                raise
+            raise ConfigError(f"--set {key}={value.strip()}: {e}") from None
+    return cfg
+
+
+def resolve_for_mesh(cfg: TrainConfig) -> TrainConfig:
+    """The execution choices that follow from the mesh: dropless MoE dispatch runs one
+    slice of rows per device (model.moe_shards), so no token's dispatch crosses devices.
+    The trained function does not change: capacity groups (model.moe_group_rows) are a
+    model setting, the same on any mesh."""
+    n = cfg.mesh.data * cfg.mesh.fsdp
+    if cfg.model.moe_shards != n and cfg.batch_size % n == 0:
+        return dataclasses.replace(cfg, model=cfg.model.replace(moe_shards=n))
     return cfg
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import math
 import os
 import signal
@@ -25,18 +24,24 @@ from fractus_jax.config import WEIGHT_FIELDS
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import probes as probes_lib
+from fractus_jax.train import rundir
 from fractus_jax.train import state as state_lib
-from fractus_jax.train.config import TrainConfig
+from fractus_jax.train.config import TrainConfig, resolve_for_mesh
 from fractus_jax.train.data import DataError, LaneReader, global_batch
 from fractus_jax.train.step import batch_shardings, jit_train_step
+from fractus_jax.train.watch import KeepRateWatch
 
-METRICS = "metrics.jsonl"
+METRICS = rundir.METRICS
 EMA_DECAY = 0.99
 FEATURE_CONTEXT = 64  # ids before a chunk that its packet features may look at
 
 
 class TrainError(ValueError):
     """A refusal: the run cannot start as asked; nothing was written."""
+
+
+class StalledError(TrainError):
+    """The run stopped: too many steps in a row were skipped (their gradient norm not finite)."""
 
 
 
@@ -48,7 +53,9 @@ class Plan:
     corpus: object
     resume_step: Optional[int]
     start_pos: int
-    manifest: Optional[dict]
+    manifest: Optional[dict]   # the meta of the step to resume from (the manifest's facts)
+    rejected: list = dataclasses.field(default_factory=list)   # (step, why) of newer steps that failed
+    note: Optional[str] = None   # about the step to resume from (no checksums to check)
 
 
 def cache_dir() -> Path:
@@ -88,15 +95,6 @@ def open_training_corpus(cfg: TrainConfig, progress: bool = True):
     return corpus
 
 
-def resolve_for_mesh(cfg: TrainConfig) -> TrainConfig:
-    """moe_group_rows=0 means one MoE dispatch group per device: capacity is counted over
-    each device's own tokens, so dispatch never crosses devices."""
-    n = cfg.mesh.data * cfg.mesh.fsdp
-    if cfg.model.moe_group_rows == 0 and n > 1:
-        return dataclasses.replace(cfg, model=cfg.model.replace(moe_group_rows=cfg.batch_size // n))
-    return cfg
-
-
 def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
     """Every check a user can fail, before anything is written to workdir."""
     workdir = Path(workdir)
@@ -116,8 +114,10 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
         except grow_lib.GrowthError as e:
             raise TrainError(f"grow_at={cfg.grow_at}: {e}") from None
     rows = cfg.model.moe_group_rows
-    if rows and (cfg.batch_size // n) % rows:
-        raise TrainError(f"model.moe_group_rows={rows} does not divide the {cfg.batch_size // n} rows per device")
+    if cfg.model.capacity_factor is not None and (cfg.batch_size // n) % (rows or cfg.batch_size):
+        raise TrainError(f"model.moe_group_rows={rows} ({rows or cfg.batch_size} rows per capacity group) does not "
+                         f"divide the {cfg.batch_size // n} rows each of the {n} devices holds: a group would "
+                         f"span devices (set model.moe_group_rows to a divisor of {cfg.batch_size // n})")
     streams = cfg.model.row_streams
     if streams > 1 and n > 1:
         raise TrainError(f"model.row_streams={streams} is for one device: a mesh of {n} devices "
@@ -128,7 +128,7 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
                          "0 makes the batch one group)")
     if workdir.exists() and not workdir.is_dir():
         raise TrainError(f"workdir {workdir} exists and is not a directory")
-    manifest = ckpt_lib.read_manifest(workdir) if workdir.exists() else None
+    manifest, rejected, note = _resume_point(workdir)
     if manifest is not None:
         cfg = growth_lib.grown_model_for(cfg, manifest) or cfg
         _check_resume(cfg, workdir, manifest)
@@ -144,7 +144,32 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
         raise TrainError(f"{workdir}: the checkpoint's corpus had {manifest['corpus']['n_ids']} ids, "
                          f"{corpus.path} has {corpus.n_ids}; the lane offsets would not mean the same text")
     pos = cfg.start_token if cfg.start_token is not None else int(manifest["start_token_next"])
-    return Plan(cfg, workdir, corpus, int(manifest["step"]), pos, manifest)
+    return Plan(cfg, workdir, corpus, int(manifest["step"]), pos, manifest, rejected, note)
+
+
+def _resume_point(workdir: Path):
+    """(meta, rejected, note) of the step a run in workdir resumes from: the newest committed
+    step whose files match their checksums and whose meta reads, whatever the manifest says
+    (it may lag a crash, or be gone). (None, [], None) for a fresh run. Reads only."""
+    if not workdir.exists():
+        return None, [], None
+    try:
+        step, meta, rejected, note = ckpt_lib.newest_good_step(workdir)
+    except OSError as e:
+        raise TrainError(f"cannot read the checkpoints of {workdir}: {rundir.reason(e)}") from None
+    if step is None:
+        if rejected:
+            raise TrainError(ckpt_lib.no_good_step_message(workdir, rejected))
+        if (workdir / rundir.MANIFEST).exists():
+            raise TrainError(f"{workdir / rundir.MANIFEST} names a checkpoint, but {workdir / rundir.CHECKPOINTS} "
+                             "holds none; move the manifest away to start afresh in this directory")
+        return None, [], None
+    if "config" not in meta:   # older checkpoints: the config is the manifest's
+        try:
+            meta["config"] = (rundir.read_manifest(workdir) or {})["config"]
+        except (KeyError, rundir.CheckpointError):
+            raise TrainError(f"{workdir}: step {step} records no config and there is no manifest with one") from None
+    return meta, rejected, note
 
 
 def _check_resume(cfg: TrainConfig, workdir: Path, manifest: dict) -> None:
@@ -166,16 +191,44 @@ def _check_resume(cfg: TrainConfig, workdir: Path, manifest: dict) -> None:
                          f"the data; drop it to resume at {manifest['start_token_next']}")
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop log lines past the restored step (written after the last save before a crash)."""
-    if not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= last_step]
-    if len(keep) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(ln + "\n" for ln in keep))
-        os.replace(tmp, path)
+class _SkipWatch:
+    """Steps skipped in a row (their gradient norm not finite: the update was not applied).
+    A warning at the first of a run of them and at each doubling (rate-limited), a note
+    when one trains again, a stop after `limit` in a row (0: never)."""
+
+    def __init__(self, limit: int, lr: float, log):
+        self.limit, self.lr, self.log = limit, lr, log
+        self.count = 0
+        self.first = None
+
+    def observe(self, step: int, skipped: float, last_good) -> None:
+        """last_good: a function, called only to word the stop (it lets a save in flight finish)."""
+        if not skipped:
+            if self.count:
+                self.log(f"note: step {step} trained again after {self.count} skipped step"
+                         f"{'s' if self.count > 1 else ''}")
+            self.count = 0
+            return
+        self.count += 1
+        if self.count == 1:
+            self.first = step
+        if self.limit and self.count >= self.limit:
+            last, since = last_good(), self.first - 1   # the weights are those of step first-1
+            if last is None:
+                where = "There is no checkpoint"
+            elif last >= since:
+                where = (f"The checkpoints from step {since} on (the last: step {last}) hold these weights, and "
+                         "resuming from them repeats this: move them out of checkpoints/ to resume from an earlier one")
+            else:
+                where = f"The last checkpoint, step {last}, is from before the first skipped step"
+            raise StalledError(
+                f"steps {self.first}-{step}: {self.count} steps in a row were skipped (the gradient norm is not "
+                f"finite: the weights have likely diverged, lr={self.lr:g}); stopped. {where}. A lower lr or a "
+                "longer warmup may help (max_skipped_steps sets this limit)")
+        if self.count & (self.count - 1) == 0:   # 1, 2, 4, 8, ...
+            limit = f"the run stops at {self.limit}" if self.limit else "no limit set"
+            self.log(f"warning: step {step} was skipped: the gradient norm is not finite "
+                     f"({self.count} in a row; {limit})")
 
 
 class _StopFlag:
@@ -202,32 +255,83 @@ class _StopFlag:
             signal.signal(sig, old)
 
 
-def _progress_bar(total, initial, enabled):
+def _progress_bar(total, initial, enabled, desc=None):
     if not enabled:
         return None
     from tqdm import tqdm
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr, desc=desc)
+
+
+def _bar_compiled(bar, n, seconds) -> None:
+    """The first step after a compilation is done: the bar's clock, rate and ETA restart
+    here (a rate that counted the compilation would promise an hour for a minute's run);
+    its description keeps the compilation's seconds."""
+    bar.reset(total=bar.total)
+    bar.n = bar.last_print_n = bar.initial = n
+    bar.set_description_str(f"compiled in {seconds:.0f}s", refresh=False)
 
 
 def run(plan: Plan, progress: bool = True, log=print) -> dict:
-    """Train from the plan to cfg.max_steps (or a stop); returns the last logged metrics."""
+    """Train from the plan to cfg.max_steps (or a stop); returns the last logged metrics.
+
+    The run directory is held for the run (`rundir.RunDir`: a second writer is refused) and
+    closed however the run ends: a save in flight commits, the lock is released."""
+    rd = rundir.RunDir(plan.workdir, lead=jax.process_index() == 0, log=log).open()
+    try:
+        last = _train(plan, rd, progress, log)
+    except BaseException:
+        rd.close(quiet=True)
+        raise
+    rd.close()
+    return last
+
+
+def _restore(plan: Plan, ckpt, rd: rundir.RunDir, abstract, log):
+    """(plan, state, meta) of the newest step, from the plan's down, that restores and is
+    finite; the run directory then matches it: rejected newer steps moved aside, the
+    manifest repaired, the metrics log cut to it."""
+    cfg = plan.cfg
+
+    def usable(meta):
+        old = meta.get("config")
+        if old is None:
+            return None
+        if any(old.get("model", {}).get(k) != getattr(cfg.model, k) for k in WEIGHT_FIELDS) or any(
+                meta.get(k, old.get(k)) != getattr(cfg, k) for k in ("batch_size", "seq_len", "accum")):
+            return "has another shape (a step from before a growth in place)"
+        return None
+
+    step, state, meta, rejected = ckpt.restore_good(abstract, plan.resume_step, plan.rejected, usable)
+    if plan.note and step == plan.resume_step:
+        log(plan.note)
+    for line in ckpt_lib.rejection_warnings(rejected, step):
+        log(line)
+    rd.resumed(meta, rejected)
+    ckpt.reload()
+    if jax.process_count() > 1:   # every process sees the rejected steps gone before saving
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("fractus_jax resume: run directory ready")
+    pos = cfg.start_token if cfg.start_token is not None else int(meta["start_token_next"])
+    return dataclasses.replace(plan, resume_step=step, start_pos=pos, manifest=meta), state, meta
+
+
+def _train(plan: Plan, rd: rundir.RunDir, progress: bool, log) -> dict:
     cfg, workdir = plan.cfg, plan.workdir
     deadline = parse_deadline(cfg.deadline)
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
     abstract = state_lib.abstract_train_state(cfg)
     shardings = state_lib.train_state_shardings(cfg, mesh, abstract)
-    workdir.mkdir(parents=True, exist_ok=True)
-    ckpt = ckpt_lib.RunCheckpointer(workdir, keep=cfg.keep_checkpoints, asynchronous=True)
+    ckpt = ckpt_lib.RunCheckpointer(workdir, keep=cfg.keep_checkpoints, asynchronous=True, log=log)
+    rd.checkpointer = ckpt
     ema = {"ema_tf": None, "ema_ss": None}
     growth = list((plan.manifest or {}).get("growth") or [])
     if plan.resume_step is not None:
-        state, meta = ckpt.restore(ckpt_lib.abstract_with_shardings(abstract, shardings), plan.resume_step)
+        plan, state, meta = _restore(plan, ckpt, rd, ckpt_lib.abstract_with_shardings(abstract, shardings), log)
         ema.update({k: meta.get(k) for k in ema})
         growth = list(meta.get("growth") or growth)
-        if jax.process_index() == 0:
-            _truncate_metrics(workdir / METRICS, plan.resume_step)
         log(f"resumed {workdir} at step {plan.resume_step}, lane offset {plan.start_pos}")
     else:
+        rd.start_metrics(None)
         state, _ = state_lib.create_train_state(cfg, mesh, jax.random.PRNGKey(cfg.seed))
         if cfg.init_from:
             params, _ = ckpt_lib.load_for_inference(cfg.init_from)
@@ -249,8 +353,12 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
     pos = plan.start_pos
     ids_per_step = cfg.batch_size * cfg.seq_len * cfg.accum
     lead = jax.process_index() == 0   # one process writes the log and shows progress
-    metrics_file = open(workdir / METRICS, "a") if lead else None
-    bar = _progress_bar(cfg.max_steps, step, progress and lead)
+    skips = _SkipWatch(cfg.max_skipped_steps, cfg.lr, log)
+    drops = KeepRateWatch(cfg.model.capacity_factor)
+    compile_note = "compiling the train step" + (" and the probes" if prober is not None else "")
+    bar = _progress_bar(cfg.max_steps, step, progress and lead, compile_note if step < cfg.max_steps else None)
+    if bar is None and lead and step < cfg.max_steps:
+        log(f"{compile_note}...")
     last_save = time.time()
     step_seconds = None
     # The first step of a program includes its compilation (minutes at 1B): it would inflate
@@ -272,6 +380,7 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
 
     def record(done_step, device_metrics, t_dispatch, t_prev):
         nonlocal step_seconds, last, compiling
+        compiled_now = compiling   # this step waited for the compilation
         m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
         now = time.time()
         dt = max(now - t_prev, 1e-9)
@@ -279,8 +388,9 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
             compiling = False
         else:
             step_seconds = dt if step_seconds is None else 0.9 * step_seconds + 0.1 * dt
-        ema["ema_tf"] = m["ce_tf"] if ema["ema_tf"] is None else EMA_DECAY * ema["ema_tf"] + (1 - EMA_DECAY) * m["ce_tf"]
-        if m["ss_ran"]:
+        if math.isfinite(m["ce_tf"]):   # a NaN would stay in the EMA for good
+            ema["ema_tf"] = m["ce_tf"] if ema["ema_tf"] is None else EMA_DECAY * ema["ema_tf"] + (1 - EMA_DECAY) * m["ce_tf"]
+        if m["ss_ran"] and math.isfinite(m["ce_ss"]):
             ema["ema_ss"] = m["ce_ss"] if ema["ema_ss"] is None else EMA_DECAY * ema["ema_ss"] + (1 - EMA_DECAY) * m["ce_ss"]
         m.update(step=done_step, ema_tf=ema["ema_tf"], ids_per_s_tf=ids_per_step / dt,
                  ids_per_s_wall=ids_per_step * (1 + m["ss_ran"]) / dt, step_s=dt)
@@ -288,18 +398,25 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
             m.pop("ce_ss")
         else:
             m["ema_ss"] = ema["ema_ss"]
-        if bar is not None:
+        if bar is not None and compiled_now:
+            _bar_compiled(bar, done_step, dt)
+        elif bar is not None:
             bar.update(done_step - bar.n)
-            bar.set_postfix_str(f"ce {m['ce_tf']:.3f} ema {ema['ema_tf']:.3f} {m['ids_per_s_tf']:.0f} ids/s", refresh=False)
+        elif compiled_now and lead:
+            log(f"step {done_step} took {dt:.0f}s, the compilation included")
+        if bar is not None:
+            keep = "" if cfg.model.capacity_factor is None else f" keep {m['keep_rate']:.2f}"
+            bar.set_postfix_str(f"ce {m['ce_tf']:.3f} ema {ema['ema_tf']:.3f}{keep} {m['ids_per_s_tf']:.0f} ids/s",
+                                refresh=False)
         last = m
+        skips.observe(done_step, m["skipped"], rd.last_good)
+        drop_warning = drops.update(done_step, m["keep_rate"])
+        if drop_warning and lead:
+            (bar.write if bar is not None else log)(drop_warning)
         return m
 
     def write_metrics(m):
-        if metrics_file is None:
-            return
-        metrics_file.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                       for k, v in m.items()}) + "\n")
-        metrics_file.flush()
+        rd.write_metrics(m)   # non-finite values as null
 
     stop_reason = None
     t_prev = time.time()
@@ -320,6 +437,8 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
                 growth.append(grow_record)
                 step_fn, prober = build(cfg)
                 compiling = True
+                if bar is not None:
+                    bar.set_description_str("compiling the grown step")
                 log(f"grew at step {step}: {grow_record['from']} -> {grow_record['to']}")
                 t_prev = time.time()
             batch = global_batch(reader, pos, batch_shard, FEATURE_CONTEXT)
@@ -355,8 +474,6 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
                 break
     if bar is not None:
         bar.close()
-    if metrics_file is not None:
-        metrics_file.close()
     ckpt.close()
     if stop_reason:
         log(f"stopped at step {step} ({stop_reason}); saved, lane offset {pos}")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fractus_jax import model
-from fractus_jax.decode import decode_ids
+from fractus_jax.decode import decode_ids, speech_counts
 from fractus_jax.train.config import TrainConfig
 
 PROBE_ROWS = 4
@@ -68,10 +68,11 @@ def _ar_eval(params, rows, cfg):
 
 class Prober:
     def __init__(self, cfg: TrainConfig, corpus):
-        # The probes run their own few rows on one device: the training batch's per-device
-        # dispatch groups (moe_group_rows, set by resolve_for_mesh) and row streams need not
-        # divide them.
-        self.cfg = cfg.model.replace(moe_group_rows=0, row_streams=1)
+        # The probes run their own few rows on one device: no row streams or per-device
+        # dispatch slices; a capacity group that does not divide them makes them one group.
+        rows = cfg.model.moe_group_rows
+        self.cfg = cfg.model.replace(row_streams=1, moe_shards=1,
+                                     moe_group_rows=rows if rows and PROBE_ROWS % rows == 0 else 0)
         # Decoding feeds chunks of a few tokens: capacity would drop their assignments.
         self.decode_cfg = self.cfg.replace(capacity_factor=None)
         self.rows = jnp.asarray(_probe_rows(corpus, PROBE_ROWS, max(PROBE_LEN, WARM + FREE)))
@@ -96,7 +97,7 @@ class Prober:
             ids, _, n_valid = jax.device_get(decode_ids(params, self.decode_cfg, self.prompt, SPEECH_STEPS))
             gen = ids[0, : int(n_valid[0])]
             from fractus_jax.atom import decode
-            out.update(speech_unique_ids=int(np.unique(gen).size),
-                       speech_unique_bytes=int(np.unique(gen[gen < 256]).size),
+            unique_ids, unique_bytes = speech_counts(gen)
+            out.update(speech_unique_ids=unique_ids, speech_unique_bytes=unique_bytes,
                        speech_text=decode(gen))
         return out

@@ -1,0 +1,473 @@
+"""Faults a living run meets, each reproduced and its outcome shown: a kill at every phase of
+a save, damaged checkpoints, a torn metrics log, a second writer, a full disk, a diverged run.
+
+Two tiny runs are trained once (save_every=2): `straight` to step 6, `split` to step 4. Each
+fault is applied to a copy of `split` (the state a kill leaves is written as the kill leaves
+it, so the phase is exact), the same command resumes it to step 6, and the result must equal
+`straight` bit for bit: the weights, the moments, the carry, and a metrics log of steps 1-6.
+"""
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import loop, rundir
+from fractus_jax.train import state as state_lib
+from fractus_jax.train.__main__ import main as train_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny(corpus_file, *overrides):
+    cfg = cfg_lib.load_config("tiny")
+    return cfg_lib.apply_overrides(cfg, [f"corpus={corpus_file}", "save_every=2", *overrides])
+
+
+def train(cfg, workdir):
+    """(last metrics, log lines) of the trainer on workdir, in this process."""
+    logs = []
+    last = loop.run(loop.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
+    return last, logs
+
+
+def restore(workdir, cfg, step=None):
+    ck = ckpt_lib.RunCheckpointer(workdir, read_only=True)
+    try:
+        return ck.restore(state_lib.abstract_train_state(cfg), step)
+    finally:
+        ck.close()
+
+
+def strict(text):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def metrics_steps(workdir):
+    return [strict(x)["step"] for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_state(a_dir, b_dir, cfg):
+    a, meta_a = restore(a_dir, cfg)
+    b, meta_b = restore(b_dir, cfg)
+    assert meta_a["step"] == meta_b["step"] == cfg.max_steps
+    assert meta_a["start_token_next"] == meta_b["start_token_next"]
+    for part in ("params", "opt_state", "carry"):
+        jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a[part], b[part])
+
+
+@pytest.fixture(scope="module")
+def runs(corpus_file, tmp_path_factory):
+    """(cfg to step 6, straight run dir at 6, split run dir at 4 (steps 2 and 4))."""
+    base = tmp_path_factory.mktemp("faults")
+    cfg6 = tiny(corpus_file, "max_steps=6")
+    train(cfg6, base / "straight")
+    train(tiny(corpus_file, "max_steps=4"), base / "split")
+    # The bit-exact comparisons can fail: two more steps change every part of the state.
+    at_4, _ = restore(base / "split", cfg6, 4)
+    at_6, _ = restore(base / "straight", cfg6, 6)
+    for part in ("params", "opt_state", "carry"):
+        diff = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), at_4[part], at_6[part])
+        assert any(jax.tree.leaves(diff)), part
+    return cfg6, base / "straight", base / "split"
+
+
+def copy_split(runs, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(runs[2], d)
+    return d
+
+
+def manifest_of_step(d, step):
+    _, meta, _ = ckpt_lib.read_step(d, step)
+    return rundir.manifest_of(meta)
+
+
+# ----------------------------------------------------------------------------- kill -9 at each phase of a save
+
+def _kill_before_tmp(d):          # killed before Orbax made the temporary directory of step 4
+    manifest = manifest_of_step(d, 2)
+    shutil.rmtree(d / "checkpoints" / "4")
+    rundir.write_json_atomic(d / "manifest.json", manifest)
+
+
+def _kill_inside_tmp(d):          # killed while Orbax wrote step 4 into its temporary directory
+    manifest = manifest_of_step(d, 2)
+    tmp = d / "checkpoints" / "4.orbax-checkpoint-tmp-1712345678"
+    os.replace(d / "checkpoints" / "4", tmp)
+    (tmp / "checksums.json").unlink()
+    shutil.rmtree(tmp / "opt_state")
+    victim = max((p for p in (tmp / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 3])
+    rundir.write_json_atomic(d / "manifest.json", manifest)
+
+
+def _kill_after_commit(d):        # Orbax committed step 4; killed before its checksums and manifest
+    manifest = manifest_of_step(d, 2)
+    (d / "checkpoints" / "4" / "checksums.json").unlink()
+    rundir.write_json_atomic(d / "manifest.json", manifest)
+
+
+def _kill_after_checksums(d):     # step 4 committed and checksummed; killed before its manifest
+    rundir.write_json_atomic(d / "manifest.json", manifest_of_step(d, 2))
+
+
+def _manifest_deleted(d):
+    (d / "manifest.json").unlink()
+
+
+def _kill_after_manifest(d):      # the save was complete: steps 5 and 6 were being trained
+    pass
+
+
+@pytest.mark.parametrize("phase, resumed_at", [
+    (_kill_before_tmp, 2), (_kill_inside_tmp, 2), (_kill_after_commit, 4), (_kill_after_checksums, 4),
+    (_manifest_deleted, 4), (_kill_after_manifest, 4)], ids=lambda x: getattr(x, "__name__", str(x)).strip("_"))
+def test_a_kill_at_each_phase_of_a_save_resumes_bit_exact(phase, resumed_at, runs, tmp_path):
+    cfg6, straight, _ = runs
+    d = copy_split(runs, tmp_path)
+    phase(d)
+    last, logs = train(cfg6, d)
+    assert f"resumed {d} at step {resumed_at}, lane offset {resumed_at * cfg6.seq_len}" in logs, logs
+    assert last["step"] == 6
+    assert_same_state(straight, d, cfg6)
+    assert metrics_steps(d) == [1, 2, 3, 4, 5, 6]
+    manifest = strict((d / "manifest.json").read_text())
+    assert manifest["step"] == 6 and manifest["checkpoint"] == "checkpoints/6"
+    assert not [p for p in (d / "checkpoints").iterdir() if rundir.ORBAX_TMP in p.name]
+    if phase is _kill_inside_tmp:
+        assert any(line.startswith("note: removed") and "orbax-checkpoint-tmp" in line for line in logs), logs
+    if phase is _kill_after_commit:
+        assert any("step 4 has no checksums" in line for line in logs), logs
+        assert ckpt_lib.check_files(d / "checkpoints" / "4") == ("ok", None)   # recorded once restored
+    if phase in (_kill_after_commit, _kill_after_checksums, _manifest_deleted):
+        assert any(line.startswith(f"note: repaired {d / 'manifest.json'}") for line in logs), logs
+
+
+def test_a_real_kill_9_between_commit_and_manifest(runs, corpus_file, tmp_path):
+    """The process dies by SIGKILL right after Orbax committed step 4 (before its checksums
+    and manifest); the same command then resumes at step 4, bit-exact."""
+    cfg6, straight, _ = runs
+    d = tmp_path / "run"
+    code = textwrap.dedent(f"""
+        import os, signal
+        from fractus_jax.train import checkpoint as ckpt_lib, config as cfg_lib, loop
+        write = ckpt_lib.write_checksums
+        def die_at_4(step_dir, finite):
+            if step_dir.name == "4":
+                os.kill(os.getpid(), signal.SIGKILL)
+            write(step_dir, finite)
+        ckpt_lib.write_checksums = die_at_4
+        cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"),
+                                      ["corpus={corpus_file}", "save_every=2", "max_steps=4"])
+        loop.run(loop.prepare(cfg, {str(d)!r}, progress=False), progress=False, log=print)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    assert (d / "checkpoints" / "4").is_dir() and not (d / "checkpoints" / "4" / "checksums.json").exists()
+    assert strict((d / "manifest.json").read_text())["step"] == 2   # the manifest lags
+    last, logs = train(cfg6, d)
+    assert f"resumed {d} at step 4, lane offset {4 * cfg6.seq_len}" in logs, logs
+    assert_same_state(straight, d, cfg6)
+    assert metrics_steps(d) == [1, 2, 3, 4, 5, 6]
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+def _largest(d):
+    return max((p for p in d.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _flip_params(d):
+    f = _largest(d / "checkpoints" / "4" / "params")
+    data = bytearray(f.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    f.write_bytes(bytes(data))
+
+
+def _truncate_opt_state(d):
+    f = _largest(d / "checkpoints" / "4" / "opt_state")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _empty_meta(d):
+    (d / "checkpoints" / "4" / "meta" / "metadata").write_text("")
+
+
+def _nan_params_no_checksums(d, cfg):
+    """A step 4 whose params hold a NaN, with no checksums (as an older run's): only the
+    finite check of the restored arrays can catch it."""
+    state, meta = restore(d, cfg, 4)
+    shutil.rmtree(d / "checkpoints" / "4")
+    state = dict(state, params={**state["params"], "observe": state["params"]["observe"].at[3, 0].set(np.nan)})
+    logs = []
+    ck = ckpt_lib.RunCheckpointer(d, log=logs.append)
+    ck.save(state, meta)
+    ck.close()
+    assert "step 4: params holds NaN or Inf (observe)" in logs[0]
+    assert strict((d / "checkpoints" / "4" / "checksums.json").read_text())["finite"]["params"] is False
+    assert strict((d / "manifest.json").read_text())["step"] == 4   # written before: the test's own copy
+    (d / "checkpoints" / "4" / "checksums.json").unlink()
+
+
+@pytest.mark.parametrize("damage, warning", [
+    (_flip_params, "warning: step 4: params failed its checksum"),
+    (_truncate_opt_state, "warning: step 4: opt_state failed its checksum"),
+    (_empty_meta, "warning: step 4: meta failed its checksum"),
+    (_nan_params_no_checksums, "warning: step 4: params holds NaN or Inf"),
+], ids=lambda x: getattr(x, "__name__", "").strip("_"))
+def test_a_damaged_newest_step_falls_back_to_the_previous_one(damage, warning, runs, tmp_path):
+    cfg6, straight, _ = runs
+    d = copy_split(runs, tmp_path)
+    damage(d, cfg6) if damage is _nan_params_no_checksums else damage(d)
+    last, logs = train(cfg6, d)
+    assert any(line.startswith(f"{warning}; falling back to step 2") for line in logs), logs
+    if damage is _nan_params_no_checksums:
+        assert "warning: step 4: params holds NaN or Inf; falling back to step 2 (observe)" in logs
+    assert f"resumed {d} at step 2, lane offset {2 * cfg6.seq_len}" in logs
+    assert (d / "rejected" / "4").is_dir()   # kept for inspection, out of the way
+    assert_same_state(straight, d, cfg6)      # steps 3 and 4 trained again, identically
+    assert metrics_steps(d) == [1, 2, 3, 4, 5, 6]
+    assert strict((d / "manifest.json").read_text())["step"] == 6
+
+
+def test_generate_and_export_skip_a_damaged_newest_step(runs, tmp_path, capsys):
+    d = copy_split(runs, tmp_path)
+    _flip_params(d)
+    step, _, _ = ckpt_lib.read_step(d)
+    assert step == 2 and "warning: step 4: params failed its checksum; falling back to step 2" in capsys.readouterr().err
+    with pytest.raises(ckpt_lib.CheckpointError, match="step 4: params failed its checksum"):
+        ckpt_lib.load_for_inference(d, step=4)
+
+
+def test_retention_keeps_the_newest_good_step(runs, tmp_path):
+    """keep_checkpoints=2, then two saves whose weights are not finite: Orbax's own retention
+    would have deleted the last good step; it stays until a newer good one is saved."""
+    cfg6, _, split = runs
+    state, meta = restore(split, cfg6, 4)
+    bad = dict(state, params={**state["params"], "observe": state["params"]["observe"] * np.nan})
+    logs = []
+    ck = ckpt_lib.RunCheckpointer(tmp_path / "run", keep=2, log=logs.append)
+    try:
+        ck.save(state, dict(meta, step=1))
+        ck.save(bad, dict(meta, step=2))
+        ck.save(bad, dict(meta, step=3))
+        assert sorted(ck.manager.all_steps()) == [1, 2, 3] and ck.last_good == 1
+        assert strict((tmp_path / "run" / "manifest.json").read_text())["step"] == 1
+        ck.save(state, dict(meta, step=4))
+        assert sorted(ck.manager.all_steps()) == [3, 4] and ck.last_good == 4
+    finally:
+        ck.close()
+    assert sum("holds NaN or Inf" in line for line in logs) == 2
+
+
+# ----------------------------------------------------------------------------- the metrics log
+
+def test_a_torn_metrics_line_is_dropped_on_resume(runs, tmp_path):
+    cfg6, straight, _ = runs
+    d = copy_split(runs, tmp_path)
+    text = (d / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (d / "metrics.jsonl").write_text("".join(text[:2]) + '{"step": 3, "ce_tf": 5.\n' + "".join(text[2:])
+                                     + '{"step": 5, "ce_tf": 5.4, "gr')   # the disk filled mid-line
+    last, logs = train(cfg6, d)
+    assert any(line.startswith(f"warning: {d / 'metrics.jsonl'}: dropped 2 lines") for line in logs), logs
+    assert metrics_steps(d) == [1, 2, 3, 4, 5, 6]
+    assert_same_state(straight, d, cfg6)
+
+
+def test_a_fresh_run_never_appends_to_an_older_runs_log(runs, corpus_file, tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    shutil.copy(runs[2] / "metrics.jsonl", d / "metrics.jsonl")   # a log, and no checkpoint
+    _, logs = train(tiny(corpus_file, "max_steps=2"), d)
+    assert metrics_steps(d) == [1, 2]
+    old = list(d.glob("metrics.old-*.jsonl"))
+    assert len(old) == 1 and old[0].read_text() == (runs[2] / "metrics.jsonl").read_text()
+    assert any("moved it to" in line for line in logs), logs
+
+
+# ----------------------------------------------------------------------------- one writer
+
+def _cli(capsys, workdir, corpus_file, *overrides):
+    rc = train_cli(["--no-progress", "--config", "tiny", "--workdir", str(workdir), f"--set=corpus={corpus_file}",
+                    "--set=save_every=2", *[f"--set={o}" for o in overrides]])
+    return rc, capsys.readouterr().err
+
+
+def _snapshot(path):
+    return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in path.rglob("*") if p.name != rundir.LOCK)
+
+
+def test_a_second_writer_is_refused(runs, corpus_file, tmp_path, capsys):
+    d = copy_split(runs, tmp_path)
+    before = _snapshot(d)
+    with rundir.RunLock(d):   # the first writer (another open file: flock refuses even this process)
+        rc, err = _cli(capsys, d, corpus_file, "max_steps=6")
+        assert rc == 2 and "Traceback" not in err
+        assert f"error: {d} is in use by pid {os.getpid()}" in err
+        assert _snapshot(d) == before
+
+        # grow and convert import refuse an --out that a trainer holds
+        out = tmp_path / "out"
+        with rundir.RunLock(_mk(out)):
+            from fractus_jax.grow import run as grow_run
+            state, meta = ckpt_lib.restore_one_device(d, 4, runs[0])
+            with pytest.raises(rundir.RunDirBusy, match=f"{out} is in use by pid {os.getpid()}"):
+                grow_run._write(out, state, meta, d, 4, runs[0])
+            assert sorted(p.name for p in out.iterdir()) == [rundir.LOCK]
+    rc, err = _cli(capsys, d, corpus_file, "max_steps=6")   # released: the run goes on
+    assert rc == 0, err
+
+
+def _mk(path):
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def test_convert_import_refuses_a_locked_out(runs, corpus_file, tmp_path):
+    pytest.importorskip("torch")
+    from fractus_jax.convert import run as convert_run
+
+    d = copy_split(runs, tmp_path)
+    pt = tmp_path / "a.pt"
+    convert_run.export_run(d, pt, opt=True)
+    out = _mk(tmp_path / "imported")
+    with rundir.RunLock(out):
+        with pytest.raises(rundir.RunDirBusy, match=f"{out} is in use by pid {os.getpid()}"):
+            convert_run.import_checkpoint(pt, out, "tiny", [f"corpus={corpus_file}"], log=lambda m: None)
+    assert sorted(p.name for p in out.iterdir()) == [rundir.LOCK]
+
+
+# ----------------------------------------------------------------------------- I/O failures
+
+class _DiskFull:
+    """Counts calls; from the n-th on, raises ENOSPC as a full disk does."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def hit(self, path):
+        self.calls += 1
+        if self.calls >= self.n:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def test_disk_full_during_a_save_is_one_error_line_and_the_run_resumes(corpus_file, tmp_path, capsys, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    d = tmp_path / "run"
+    full = _DiskFull(2)   # the save of step 2 commits, the save of step 4 finds the disk full
+    save = ocp.CheckpointManager.save
+
+    def save_on_full_disk(self, step, *a, **kw):
+        full.hit(self.directory / str(step))
+        return save(self, step, *a, **kw)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save_on_full_disk)
+    rc, err = _cli(capsys, d, corpus_file, "max_steps=4")
+    assert rc == 2 and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: cannot save step 4 to {d / 'checkpoints'}: No space left on device (ENOSPC); "
+                      "the last good checkpoint is step 2 (the same command resumes from it)"], err
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)   # space freed
+    rc, err = _cli(capsys, d, corpus_file, "max_steps=4")
+    assert rc == 0 and f"resumed {d} at step 2" in err, err
+    assert strict((d / "manifest.json").read_text())["step"] == 4
+
+
+def test_disk_full_while_logging_is_one_error_line(corpus_file, tmp_path, capsys, monkeypatch):
+    d = tmp_path / "run"
+    full = _DiskFull(4)
+
+    class FullFile:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            full.hit(d / "metrics.jsonl")
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def open_on_full_disk(path, *a, **kw):
+        f = open(path, *a, **kw)
+        return FullFile(f) if Path(path).name == "metrics.jsonl" else f
+
+    monkeypatch.setattr(rundir, "open", open_on_full_disk, raising=False)
+    rc, err = _cli(capsys, d, corpus_file, "max_steps=6")
+    assert rc == 2 and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: cannot write {d / 'metrics.jsonl'}: No space left on device (ENOSPC); "
+                      "the last good checkpoint is step 2 (the same command resumes from it)"], err
+
+
+# ----------------------------------------------------------------------------- a diverged run
+
+def test_lr_1e30_stops_after_k_skipped_steps_and_all_json_stays_finite(corpus_file, tmp_path, capsys):
+    d = tmp_path / "run"
+    rc, err = _cli(capsys, d, corpus_file, "lr=1e30", "max_skipped_steps=4", "max_steps=1000")
+    assert rc == 2 and "Traceback" not in err, err
+    warned = [line for line in err.splitlines() if line.startswith("warning: step") and "was skipped" in line]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "4 steps in a row were skipped" in errors[0] and "lr=1e+30" in errors[0], err
+    assert len(warned) == 2 and "(1 in a row; the run stops at 4)" in warned[0] and "(2 in a row" in warned[1], err
+    manifest = strict((d / "manifest.json").read_text())   # no NaN in it
+    assert manifest["ema_tf"] is None or np.isfinite(manifest["ema_tf"])
+    for step_dir in (d / "checkpoints").iterdir():
+        strict((step_dir / "meta" / "metadata").read_text())
+    lines = [strict(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["skipped"] == 1 and all(m["ema_tf"] is None or np.isfinite(m["ema_tf"]) for m in lines)
+    assert lines[-1]["step"] < 20
+
+
+def test_skipped_step_warnings_are_rate_limited():
+    logs = []
+    watch = loop._SkipWatch(0, 1e-3, logs.append)
+    for step in range(1, 101):
+        watch.observe(step, 1.0, None)
+    assert len(logs) == 7   # 1, 2, 4, ..., 64 in a row
+    watch.observe(101, 0.0, None)
+    assert logs[-1] == "note: step 101 trained again after 100 skipped steps"
+    stop = loop._SkipWatch(3, 1e30, logs.append)
+    stop.observe(7, 0.0, lambda: 6)
+    stop.observe(8, 1.0, lambda: 6)
+    stop.observe(9, 1.0, lambda: 6)
+    with pytest.raises(loop.StalledError, match="steps 8-10: 3 steps in a row.*The last checkpoint, step 6, is from "
+                       "before the first skipped step"):
+        stop.observe(10, 1.0, lambda: 6)
+    stop = loop._SkipWatch(2, 1e30, logs.append)
+    stop.observe(8, 1.0, lambda: 9)
+    with pytest.raises(loop.StalledError, match=r"from step 7 on \(the last: step 9\) hold these weights"):
+        stop.observe(9, 1.0, lambda: 9)
+
+
+def test_generate_refuses_a_max_new_above_the_bound(capsys):
+    from fractus_jax import generate
+
+    for value in ("1e9", "1000000000", "1e20"):
+        with pytest.raises(SystemExit) as e:
+            generate.main(["--ckpt", ".", "--prompt", "a", "--max-new", value])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "error: argument --max-new" in err and "above the limit of 1,000,000" in err, err

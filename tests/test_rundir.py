@@ -1,0 +1,142 @@
+"""The run directory's own files (fractus_jax/train/rundir.py): lock, leftovers, manifest
+repair, metrics log. Plain files, no JAX: each test runs in milliseconds."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fractus_jax.train import rundir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def strict(text):
+    """json.loads that refuses NaN and Infinity, as every JSON reader but Python's does."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def lines(records):
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def test_the_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
+    first = rundir.RunLock(tmp_path).acquire()
+    try:
+        with pytest.raises(rundir.RunDirBusy, match=f"{tmp_path} is in use by pid {os.getpid()}"):
+            rundir.RunLock(tmp_path).acquire()   # another open file: flock refuses it even here
+    finally:
+        first.release()
+    rundir.RunLock(tmp_path).acquire().release()   # free again
+
+
+def test_the_kernel_releases_the_lock_of_a_killed_process(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from fractus_jax.train import rundir
+            rundir.RunLock({str(tmp_path)!r}).acquire()
+            print("held", flush=True)
+            time.sleep(120)
+        """)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(rundir.RunDirBusy, match=f"in use by pid {holder.pid}"):
+            rundir.RunLock(tmp_path).acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    assert holder.returncode == -signal.SIGKILL
+    rundir.RunLock(tmp_path).acquire().release()   # no stale lock after kill -9
+
+
+def test_leftovers_of_interrupted_writes_are_removed(tmp_path):
+    ck = tmp_path / "checkpoints"
+    (ck / "4").mkdir(parents=True)
+    (ck / "4" / "checksums.json.tmp").write_text("{")
+    (ck / "6.orbax-checkpoint-tmp-1712345678" / "params").mkdir(parents=True)
+    (ck / "6.orbax-checkpoint-tmp-1712345678" / "params" / "d").write_bytes(b"x" * 10)
+    (tmp_path / "manifest.json.tmp").write_text("{")
+    (tmp_path / "metrics.jsonl.tmp").write_text("")
+    notes = []
+    removed = rundir.remove_leftovers(tmp_path, notes.append)
+    assert len(removed) == 4 and len(notes) == 4
+    assert sorted(p.name for p in ck.iterdir()) == ["4"] and list((ck / "4").iterdir()) == []
+    assert not (tmp_path / "manifest.json.tmp").exists() and not (tmp_path / "metrics.jsonl.tmp").exists()
+    assert rundir.remove_leftovers(tmp_path, notes.append) == []
+
+
+def test_torn_metrics_lines_are_dropped_with_a_warning_and_the_rewrite_is_clean(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(lines([{"step": 1}, {"step": 2}]) + '{"step": 3, "ce_t\n' + lines([{"step": 3}, {"step": 4}])
+                    + '{"step": 5, "ce')   # a write cut short, twice
+    logs = []
+    rundir.truncate_metrics(path, 3, logs.append)
+    assert [strict(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+    assert path.read_text().endswith("\n")
+    assert len(logs) == 1 and logs[0].startswith("warning: ") and "dropped 2 lines" in logs[0] and "line 3, 6" in logs[0]
+    before = path.stat().st_mtime_ns
+    rundir.truncate_metrics(path, 3, logs.append)   # nothing to change: not rewritten
+    assert path.stat().st_mtime_ns == before and len(logs) == 1
+
+
+def test_copy_metrics_takes_the_history_up_to_a_step(tmp_path):
+    src, dst = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    src.write_text(lines([{"step": 1}, {"step": 2}]) + "garbage\n" + lines([{"step": 3}]))
+    logs = []
+    rundir.copy_metrics(src, dst, 2, logs.append)
+    assert [strict(x)["step"] for x in dst.read_text().splitlines()] == [1, 2] and "dropped 1 line" in logs[0]
+
+
+def test_a_fresh_run_sets_an_older_log_aside(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(lines([{"step": 1}, {"step": 2}]))
+    logs = []
+    log = rundir.MetricsLog(path, None, logs.append)
+    log.write({"step": 1, "ce_tf": float("nan"), "x": [float("inf"), 1.0]})
+    log.close()
+    assert [strict(x) for x in path.read_text().splitlines()] == [{"step": 1, "ce_tf": None, "x": [None, 1.0]}]
+    old = list(tmp_path.glob("metrics.old-*.jsonl"))
+    assert len(old) == 1 and old[0].read_text() == lines([{"step": 1}, {"step": 2}])
+    assert "moved it to" in logs[0] and old[0].name in logs[0]
+
+
+def test_the_manifest_is_repaired_from_the_resumed_steps_meta(tmp_path):
+    meta = {"step": 4, "start_token_next": 64, "ema_tf": float("nan")}
+    logs = []
+    assert rundir.repair_manifest(tmp_path, meta, logs.append)   # missing
+    manifest = strict((tmp_path / "manifest.json").read_text())
+    assert manifest["step"] == 4 and manifest["checkpoint"] == "checkpoints/4" and manifest["ema_tf"] is None
+    assert "it was missing" in logs[-1]
+    assert not rundir.repair_manifest(tmp_path, meta, logs.append)   # names the step: kept
+    rundir.write_manifest(tmp_path, dict(meta, step=2))
+    assert rundir.repair_manifest(tmp_path, meta, logs.append) and "named step 2" in logs[-1]
+    (tmp_path / "manifest.json").write_text('{"step": 4, "ema')   # damaged
+    assert rundir.repair_manifest(tmp_path, meta, logs.append) and "damaged" in logs[-1]
+    assert strict((tmp_path / "manifest.json").read_text())["step"] == 4
+
+
+def test_rejected_steps_are_moved_aside_not_deleted(tmp_path):
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
+        (tmp_path / "checkpoints" / str(step) / "x").write_text(str(step))
+    (tmp_path / "rejected" / "4").mkdir(parents=True)   # an earlier rejection of the same step
+    logs = []
+    moved = rundir.set_aside_steps(tmp_path, [4], logs.append)
+    assert moved == [tmp_path / "rejected" / "4-2"] and (moved[0] / "x").read_text() == "4"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
+def test_io_errors_name_the_path_and_the_last_good_step(tmp_path):
+    err = rundir.io_error("cannot write", tmp_path / "metrics.jsonl", OSError(28, os.strerror(28)), 6)
+    assert str(err) == (f"cannot write {tmp_path / 'metrics.jsonl'}: No space left on device (ENOSPC); "
+                        "the last good checkpoint is step 6 (the same command resumes from it)")
+    assert isinstance(err, rundir.CheckpointError)
+    long = rundir.reason(ValueError("first line\n" + "x" * 1000))
+    assert long == "ValueError: first line"
