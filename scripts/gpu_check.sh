@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# One GPU, under 8 minutes (BUDGET_S, default 450 s, caps every step): writes 7 files to $OUT
+# One GPU, under 8 minutes (BUDGET_S, default 450 s, caps every step): writes 8 files to $OUT
 #   env.json         versions and the device
 #   plans.jsonl      the step's planned memory on this device, one line per batch tried
 #   train.json       bench train (atom_1b: bfloat16, remat) at the largest batch whose plan fits
 #   profile.json     bench profile of that step: op time by component, pass and kind
 #   attention.json   bench attention at the 1B shapes
+#   dispatch.json    bench train --dispatch at DISPATCH_CONFIG (bench_small): every MoE
+#                    dispatch choice (dropless blocks / ragged_dot, capacity paths), round robin
 #   log.txt, raw.tgz what ran, and every command's full output
 # Usage: OUT=/some/dir scripts/gpu_check.sh
 #   Where JAX already sees a GPU (an image with jax and its CUDA plugin) nothing is
 #   installed: the package runs from this checkout. Elsewhere it installs ".[cuda]"
-#   (WHEELS=DIR: offline, from wheels). CONFIG, BATCHES, STEPS, ATTN_BATCH, ATTN_IMPLS
-#   change what runs (the tests run this script on a CPU with the tiny config).
+#   (WHEELS=DIR: offline, from wheels). CONFIG, BATCHES, STEPS, ATTN_BATCH, ATTN_IMPLS,
+#   DISPATCH_CONFIG change what runs (the tests run this script on a CPU with the tiny config).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -19,6 +21,7 @@ BATCHES=${BATCHES:-"256 128 64 32 16"}
 STEPS=${STEPS:-10}
 ATTN_BATCH=${ATTN_BATCH:-8}
 ATTN_IMPLS=${ATTN_IMPLS:-}
+DISPATCH_CONFIG=${DISPATCH_CONFIG:-bench_small}
 RAW="$OUT/raw"
 mkdir -p "$RAW"
 # The three compilations of the same step (plan, train, profile) share one cache.
@@ -78,5 +81,11 @@ for impl in $ATTN_IMPLS; do impl_flags="$impl_flags --impl $impl"; done
 timeout "$(limit_s 90)" python3 -m fractus_jax.bench attention --batch "$ATTN_BATCH" $impl_flags --json >"$RAW/attention.txt" 2>&1 \
   && last_json "$RAW/attention.txt" >"$OUT/attention.json"
 log "attention: $(last_json "$RAW/attention.txt")"
+
+timeout "$(limit_s 120)" python3 -m fractus_jax.bench train --config "$DISPATCH_CONFIG" --set model.row_streams=1 \
+    --steps 3 --dispatch --json >"$RAW/dispatch.txt" 2>&1 \
+  && last_json "$RAW/dispatch.txt" | python3 -c "import json, sys; print(json.dumps(json.load(sys.stdin)['dispatch']))" \
+    >"$OUT/dispatch.json"
+log "dispatch: $(grep -A 6 'MoE dispatch' "$RAW/dispatch.txt" | tr -s ' ' | tr '\n' ';')"
 tar -czf "$OUT/raw.tgz" -C "$OUT" raw && rm -rf "$RAW"
 ls -la "$OUT" | tee -a "$OUT/log.txt"

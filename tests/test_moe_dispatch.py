@@ -34,7 +34,7 @@ def _skewed_routing(key, T, E, K, dtype=jnp.float64):
     return M.top_k_route(g, K)
 
 
-@pytest.mark.parametrize("block", [1, 3, 8, 64])
+@pytest.mark.parametrize("block", [1, 3, 8, 64, "ragged"])
 def test_dropless_equals_exact_forward_and_gradients(block):
     with jax.enable_x64(True):
         T, E, K = 37, 8, 2
@@ -43,14 +43,15 @@ def test_dropless_equals_exact_forward_and_gradients(block):
         idx, w = _skewed_routing(jax.random.PRNGKey(2), T, E, K)
         counts = np.bincount(np.asarray(idx).ravel(), minlength=E)
         assert counts.max() > T * K / E and (counts == 0).any()      # crowded and empty experts
-        y = M.moe_dropless(x, idx, w, f, block)
+        dropless = M.moe_ragged if block == "ragged" else (lambda *a: M.moe_dropless(*a, block))
+        y = dropless(x, idx, w, f)
         y_ref = M.moe_exact(x, idx, w, f)
         assert float(jnp.abs(y_ref).max()) > 1e-2
         np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
 
         def loss(fn):
             return lambda x, w, f: jnp.sum(jnp.tanh(fn(x, idx, w, f)))
-        g = jax.grad(loss(lambda *a: M.moe_dropless(*a, block)), argnums=(0, 1, 2))(x, w, f)
+        g = jax.grad(loss(dropless), argnums=(0, 1, 2))(x, w, f)
         g_ref = jax.grad(loss(M.moe_exact), argnums=(0, 1, 2))(x, w, f)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11), g, g_ref)
 
@@ -62,9 +63,10 @@ def test_dropless_groups_are_independent():
         for s in range(3):
             idx, w = _skewed_routing(jax.random.PRNGKey(10 + s), 16, 8, 2)
             parts.append((jax.random.normal(jax.random.PRNGKey(20 + s), (16, 12), jnp.float64), idx, w))
-        y = M.moe_dropless(*(jnp.stack(p) for p in zip(*parts)), f, 4)
-        for g, (x, idx, w) in enumerate(parts):
-            np.testing.assert_allclose(y[g], M.moe_exact(x, idx, w, f), rtol=1e-12, atol=1e-12)
+        stacked = [jnp.stack(p) for p in zip(*parts)]
+        for y in (M.moe_dropless(*stacked, f, 4), M.moe_ragged(*stacked, f)):
+            for g, (x, idx, w) in enumerate(parts):
+                np.testing.assert_allclose(y[g], M.moe_exact(x, idx, w, f), rtol=1e-12, atol=1e-12)
 
 
 def test_dropless_block_count_bounds_any_routing():
@@ -76,13 +78,14 @@ def test_dropless_block_count_bounds_any_routing():
     assert M.dropless_blocks(T, E, K, 1) == T * K
 
 
-@pytest.mark.parametrize("variant", ["atom", "parent"])
-def test_engine_dropless_equals_capacity_at_e_over_k(variant):
+@pytest.mark.parametrize("variant, kernel", [("atom", "blocks"), ("parent", "blocks"), ("atom", "ragged")])
+def test_engine_dropless_equals_capacity_at_e_over_k(variant, kernel):
     """The engine's default dispatch against the capacity path with room for everything
     (cf = E/K: the exact routing, padded), float64, forward, state and gradients."""
     cfg = config.tiny(variant=variant, bos_id=None if variant == "parent" else config.ATOM_BOS)
     assert cfg.capacity_factor is None
     padded = cfg.replace(capacity_factor=cfg.n_experts / cfg.top_k)
+    cfg = cfg.replace(dropless_kernel=kernel)
     with jax.enable_x64(True):
         params = model.init_params(cfg, jax.random.PRNGKey(0), jnp.float64)
         params = move_off_init(params, jax.random.PRNGKey(1))

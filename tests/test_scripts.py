@@ -33,13 +33,13 @@ def test_gpu_check_runs_end_to_end_on_a_cpu_with_the_tiny_config(tmp_path):
     writes) checked on a CPU, so that a first GPU run only measures."""
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "CONFIG": "tiny", "BATCHES": "8 4", "STEPS": "2",
-           "ATTN_BATCH": "1", "ATTN_IMPLS": "chunkwise", "GPU_CHECK_INSTALL": "0",
+           "ATTN_BATCH": "1", "ATTN_IMPLS": "chunkwise", "DISPATCH_CONFIG": "tiny", "GPU_CHECK_INSTALL": "0",
            "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "XLA_FLAGS": ""}
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["attention.json", "env.json", "log.txt", "plans.jsonl", "profile.json",
+    assert files == ["attention.json", "dispatch.json", "env.json", "log.txt", "plans.jsonl", "profile.json",
                      "raw.tgz", "train.json"], files
     plans = [json.loads(line) for line in (out / "plans.jsonl").read_text().splitlines()]
     assert len(plans) == 1 and plans[0]["per_device"]["total_bytes"] > 0   # CPU: the first batch is taken
@@ -48,6 +48,10 @@ def test_gpu_check_runs_end_to_end_on_a_cpu_with_the_tiny_config(tmp_path):
     profile = json.loads((out / "profile.json").read_text())
     assert "attention" in profile["components"]
     assert json.loads((out / "attention.json").read_text())["ms"]["chunkwise"] > 0
+    dispatch = json.loads((out / "dispatch.json").read_text())
+    assert [d["dispatch"] for d in dispatch] == ["dropless blocks (config)", "dropless ragged", "cf=E/K", "cf=4",
+                                                 "cf=1.25"]
+    assert all(d["ms_per_step"] > 0 for d in dispatch) and dispatch[0]["keep_rate"] == 1.0
 
 
 def test_gpu_check_keeps_to_its_time_budget(tmp_path):

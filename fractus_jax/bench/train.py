@@ -206,12 +206,18 @@ def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict
 
 
 def dispatch_choices(model) -> dict:
-    """The MoE dispatch choices compared by `--dispatch`: the config's own first, then
-    dropless, the capacity path at cf = E/K (the same routing, padded) and cf = 4, 1.25."""
-    choices = {"dropless": None, "cf=E/K": model.n_experts / model.top_k, "cf=4": 4.0, "cf=1.25": 1.25}
-    own = next((k for k, v in choices.items() if v == model.capacity_factor), f"cf={model.capacity_factor}")
-    return {f"{own} (config)": model.capacity_factor,
-            **{k: v for k, v in choices.items() if v != model.capacity_factor}}
+    """The MoE dispatch choices compared by `--dispatch`, as engine-config changes: the
+    config's own first, then dropless by blocks and by ragged_dot, the capacity path at
+    cf = E/K (the same routing, padded) and the dropping cf = 4 and 1.25."""
+    choices = {"dropless blocks": dict(capacity_factor=None, dropless_kernel="blocks"),
+               "dropless ragged": dict(capacity_factor=None, dropless_kernel="ragged"),
+               "cf=E/K": dict(capacity_factor=model.n_experts / model.top_k),
+               "cf=4": dict(capacity_factor=4.0), "cf=1.25": dict(capacity_factor=1.25)}
+
+    def is_own(change):
+        return all(getattr(model, k) == v for k, v in change.items())
+    own = next((k for k, v in choices.items() if is_own(v)), f"cf={model.capacity_factor}")
+    return {f"{own} (config)": {}, **{k: v for k, v in choices.items() if not is_own(v)}}
 
 
 def compare_dispatch(cfg, rounds: int = 4, steps: int = 3, warmup: int = 2) -> list[dict]:
@@ -224,13 +230,13 @@ def compare_dispatch(cfg, rounds: int = 4, steps: int = 3, warmup: int = 2) -> l
     import jax
 
     runs = []
-    for name, cf in dispatch_choices(cfg.model).items():
-        c = dataclasses.replace(cfg, model=cfg.model.replace(capacity_factor=cf))
+    for name, change in dispatch_choices(cfg.model).items():
+        c = dataclasses.replace(cfg, model=cfg.model.replace(**change))
         step, state, batches = build_step(c, 1 + warmup + rounds * steps)
         for b in batches[:1 + warmup]:
             state, metrics = step(state, b)
         jax.block_until_ready(metrics)
-        runs.append({"name": name, "cf": cf, "step": step, "state": state, "batches": batches[1 + warmup:],
+        runs.append({"name": name, "cf": c.model.capacity_factor, "step": step, "state": state, "batches": batches[1 + warmup:],
                      "times": [], "keep": []})
     for r in range(rounds):
         for run_ in runs:
