@@ -374,8 +374,8 @@ def test_a_missing_config_file_is_named_as_given(tmp_path):
     assert f"no such config file {missing} " in str(e.value) and ".py.py" not in str(e.value)
     with pytest.raises(cfg_lib.ConfigError, match="did you mean smoke?"):
         cfg_lib.load_config("smok")
-    assert cfg_lib.load_config("tiny.py") == cfg_lib.load_config("tiny")   # configs/tiny.py
-    (tmp_path / "mine.py").write_text((ROOT / "configs" / "tiny.py").read_text())
+    assert cfg_lib.load_config("tiny.py") == cfg_lib.load_config("tiny")   # fractus_jax/configs/tiny.py
+    (tmp_path / "mine.py").write_text((ROOT / "fractus_jax" / "configs" / "tiny.py").read_text())
     assert cfg_lib.load_config(str(tmp_path / "mine")) == cfg_lib.load_config("tiny")
 
 

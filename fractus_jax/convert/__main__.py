@@ -25,7 +25,7 @@ def parse_args(argv=None):
     i = sub.add_parser("import", help="a PyTorch checkpoint → a new run directory the trainer resumes")
     i.add_argument("--pt", required=True, metavar="FILE", help=".pt, .bin, .pth or .safetensors")
     i.add_argument("--out", required=True, metavar="DIR", help="the new run directory")
-    i.add_argument("--config", required=True, help="configs/NAME.py (or a path): the run's TrainConfig")
+    i.add_argument("--config", required=True, help="a config name (fractus_jax/configs/NAME.py) or a path: the run's TrainConfig")
     i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, as for the trainer")
     i.add_argument("--opt", dest="opt_file", metavar="FILE",

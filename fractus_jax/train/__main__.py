@@ -10,7 +10,7 @@ from pathlib import Path
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fractus_jax.train", description=__doc__)
-    p.add_argument("--config", required=True, help="configs/NAME.py, or a path to a config file")
+    p.add_argument("--config", required=True, help="a config name (fractus_jax/configs/NAME.py), or a path to a config file")
     p.add_argument("--workdir", required=True, help="run directory: checkpoints, manifest, metrics")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field (dotted: model.variant=parent) or a PyTorch trainer name (BATCH=16)")
