@@ -8,6 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fractus_jax.convert import ConversionError
+from fractus_jax.train.checkpoint import CheckpointError
+from fractus_jax.train.config import ConfigError
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fractus_jax.convert", description=__doc__,
@@ -53,13 +57,9 @@ def torch_missing_message(e: ModuleNotFoundError, command: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from fractus_jax.convert import ConversionError
-    from fractus_jax.train.checkpoint import CheckpointError
-    from fractus_jax.train.config import ConfigError
-
     warn = lambda msg: print(f"warning: {msg}", file=sys.stderr)  # noqa: E731
     try:
-        from fractus_jax.convert import run
+        from fractus_jax.convert import run   # needs torch: a missing one is answered below
         if args.command == "export":
             for path in run.export_run(args.ckpt, args.out, opt=args.opt, hub=args.hub):
                 print(path)
