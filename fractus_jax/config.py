@@ -7,15 +7,18 @@ choose how the JAX side computes the same function (dtype, block sizes, capacity
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import sys
+from typing import Any, Callable, Optional
+
+from fractus_jax.atom import ids as atom_ids
 
 VARIANTS = ("atom", "parent")
 # The fields that decide what the weights are (their shapes and meaning): a resumed or
 # imported run must keep them; the others only choose how the same function is computed.
 WEIGHT_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_head", "n_levels", "n_oscillators",
                  "coupling_rank", "n_experts", "top_k", "expert_d_ff", "siren_rank", "variant", "atom_feat_dim")
-ATOM_VOCAB = 266
-ATOM_BOS = 257
+ATOM_VOCAB = atom_ids.VOCAB
+ATOM_BOS = atom_ids.BOS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +45,7 @@ class EngineConfig:
     # Id whose presence at position t zeroes a row's carried state entering t (docs/spec.md §4);
     # None disables document resets (the parent's GPT-2 stream has no BOS).
     bos_id: Optional[int] = ATOM_BOS
-    atom_feat_dim: int = 320
+    atom_feat_dim: int = atom_ids.FEAT_DIM
     # ---- JAX-side computation choices (not part of the weights) ----
     # None (dropless): every token gets its top_k experts, the PyTorch engine's function.
     # A number: each expert takes at most ceil(cf·T·K/E) assignments of a dispatch group
@@ -117,10 +120,45 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
-        """Build from a dict that may carry extra keys (a PyTorch checkpoint's "config")."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+    def from_dict(cls, d: dict[str, Any], unknown: str = "warn", log: Optional[Callable[[str], None]] = None,
+                  where: str = "config") -> "EngineConfig":
+        """Build from a saved config (`field_values` says what happens to keys this version
+        does not know and to fields the dict lacks). A PyTorch checkpoint's "config" carries
+        keys of the PyTorch trainer and none of the JAX-side fields: read it with unknown="ignore"."""
+        return cls(**field_values(cls, d, unknown, log, where))
+
+
+UNKNOWN_KEYS = ("warn", "ignore", "error")
+
+
+def field_values(cls, d: dict[str, Any], unknown: str = "warn", log: Optional[Callable[[str], None]] = None,
+                 where: str = "config") -> dict[str, Any]:
+    """The keyword arguments of dataclass `cls` held in `d`, a config saved by some version.
+
+    A key `cls` has no field for (a field renamed or dropped since) is named: a warning
+    through `log` (unknown="warn"), a ValueError ("error"), or nothing ("ignore": a foreign
+    dict whose extra keys are expected). A field `d` lacks (added since) takes its default,
+    named in a note through `log` (not with "ignore"); a lacking field without a default is
+    a ValueError naming it. `log` defaults to printing on stderr.
+    """
+    if unknown not in UNKNOWN_KEYS:
+        raise ValueError(f"unknown must be one of {UNKNOWN_KEYS}, got {unknown!r}")
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    extra = sorted(k for k in d if k not in fields)
+    if extra and unknown == "error":
+        raise ValueError(f"{where} has fields this version does not know: {', '.join(extra)}")
+    if extra and unknown == "warn":
+        say(f"warning: {where} has fields this version does not know, ignored: {', '.join(extra)}")
+    absent = [f for name, f in fields.items() if name not in d]
+    required = [f.name for f in absent if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if required:
+        raise ValueError(f"{where} lacks fields this version needs: {', '.join(required)}")
+    if absent and unknown != "ignore":
+        defaults = [f"{f.name}={f.default if f.default is not dataclasses.MISSING else f.default_factory()!r}"
+                    for f in absent]
+        say(f"note: {where} predates fields of this version, which take their defaults: {', '.join(defaults)}")
+    return {k: v for k, v in d.items() if k in fields}
 
 
 def atom_1b(**overrides) -> EngineConfig:

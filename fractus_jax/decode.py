@@ -38,6 +38,7 @@ from fractus_jax import model
 from fractus_jax.atom.ids import EOS as EOS_ID
 from fractus_jax.atom.ids import PAD as PAD_ID
 from fractus_jax.config import EngineConfig
+from fractus_jax.dtypes import accum_dtype
 
 MODES = ("step", "window")
 
@@ -63,10 +64,6 @@ def speech_counts(ids) -> tuple[int, int]:
     only one boundary id scores (1, 0)."""
     a = np.asarray(ids, np.int64).reshape(-1)
     return int(np.unique(a).size), int(np.unique(a[a < 256]).size)
-
-
-def _acc_dtype(params):
-    return jnp.float64 if params["observe"].dtype == jnp.float64 else jnp.float32
 
 
 def select_ids(logits_BxV, key, temperature: Optional[float], top_k: int):
@@ -108,7 +105,7 @@ def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: st
     N = int(max_new)
     if key is None:
         key = jax.random.PRNGKey(0)
-    zero = model.init_state(cfg, B, _acc_dtype(params))
+    zero = model.init_state(cfg, B, accum_dtype(params["observe"].dtype))
 
     def emit(i, logits, conf, carry_out):
         """Pick id i from logits, write it and its confidence; update done / n_valid."""

@@ -19,12 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fractus_jax.atom import ids as atom_ids
 from fractus_jax.config import EngineConfig
+from fractus_jax.dtypes import accum_dtype
 from fractus_jax.kernels import attention as attn_k
 from fractus_jax.kernels import kuramoto as kur_k
 from fractus_jax.kernels import moe as moe_k
 
-BOUNDARY_IDS = (259, 265)  # atom features enter at boundary ids, inclusive range (docs/spec.md §5)
+BOUNDARY_IDS = (atom_ids.BOUNDARY_FIRST, atom_ids.BOUNDARY_LAST)  # atom features enter at boundary ids, inclusive range (docs/spec.md §5)
 BUFFER_NAMES = ("level_offsets", "expert_phases")
 GOLDEN = (1.0 + math.sqrt(5.0)) / 2.0
 
@@ -142,9 +144,8 @@ def init_state(cfg: EngineConfig, batch_size: int, dtype=jnp.float32) -> State:
 
 def _dtypes(params: Params, cfg: EngineConfig):
     """(accumulation dtype, matmul dtype): float64 params run float64 throughout."""
-    if params["observe"].dtype == jnp.float64:
-        return jnp.float64, jnp.float64
-    return jnp.float32, jnp.dtype(cfg.compute_dtype)
+    acc = accum_dtype(params["observe"].dtype)
+    return acc, (acc if acc == jnp.float64 else jnp.dtype(cfg.compute_dtype))
 
 
 def _normalized(x, eps):

@@ -25,6 +25,7 @@ from flax import nnx
 
 from fractus_jax import model
 from fractus_jax.config import EngineConfig
+from fractus_jax.dtypes import accum_dtype
 
 
 class Buffer(nnx.Variable):
@@ -81,8 +82,7 @@ class FractusEngine(nnx.Module):
         """Zero the carry (a stream start), for ``batch_size`` rows (default: as now)."""
         if batch_size is None:
             batch_size = self.carry["thought"].shape[0]
-        dtype = jnp.float64 if self.observe[...].dtype == jnp.float64 else jnp.float32
-        for k, v in model.init_state(self.cfg, batch_size, dtype).items():
+        for k, v in model.init_state(self.cfg, batch_size, accum_dtype(self.observe[...].dtype)).items():
             self.carry[k] = Carry(v)
 
     def __call__(self, ids_BxC, feats=None):

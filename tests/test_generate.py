@@ -173,6 +173,7 @@ def _speech_args(stream):
     return dict(max_new=len(stream) - P + 3, mode="window", window=WIN), stream[P:]
 
 
+@pytest.mark.slow   # the 450-step memorisation fixture
 def test_speech_path_reproduces_the_phrase(trained):
     params, stream, ce = trained
     assert ce < 0.01
@@ -189,6 +190,7 @@ def test_speech_path_reproduces_the_phrase(trained):
     assert r.ms_per_id > 0
 
 
+@pytest.mark.slow   # the 450-step memorisation fixture
 def test_greedy_decoding_is_deterministic(trained):
     params, stream, _ = trained
     args, _ = _speech_args(stream)
@@ -196,6 +198,7 @@ def test_greedy_decoding_is_deterministic(trained):
     assert a.ids == b.ids and a.confidence == b.confidence
 
 
+@pytest.mark.slow   # the 450-step memorisation fixture
 @pytest.mark.parametrize("mode", ["step", "window"])
 def test_a_batch_gives_each_prompt_what_it_gets_alone(trained, mode):
     """Prompts of different lengths are left-padded into one batch; the padding is invisible."""
@@ -212,6 +215,7 @@ def test_a_batch_gives_each_prompt_what_it_gets_alone(trained, mode):
         assert all(0 <= i < CFG.vocab_size for i in b.ids)
 
 
+@pytest.mark.slow   # the 450-step memorisation fixture
 def test_decode_core_stops_rows_at_eos_independently(trained):
     params, stream, _ = trained
     args, rest = _speech_args(stream)
@@ -234,6 +238,7 @@ def _fake_checkpoint_module(monkeypatch, params, cfg, calls):
     monkeypatch.setitem(sys.modules, "fractus_jax.train.checkpoint", fake)
 
 
+@pytest.mark.slow   # the 450-step memorisation fixture
 def test_cli_json_with_load_for_inference_patched(trained, tmp_path, monkeypatch, capsys):
     params, stream, _ = trained
     args, rest = _speech_args(stream)
@@ -295,6 +300,7 @@ def test_cli_missing_dir_bad_checkpoint_and_wrong_engine(tmp_path, monkeypatch, 
     assert e.value.code != 0 and "Atom ids" in capsys.readouterr().err
 
 
+@pytest.mark.slow   # the 450-step memorisation fixture
 def test_cli_loads_a_real_run_directory(trained, tmp_path, capsys):
     ckpt = pytest.importorskip("fractus_jax.train.checkpoint")
     tconfig = pytest.importorskip("fractus_jax.train.config")

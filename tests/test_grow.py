@@ -21,6 +21,7 @@ from fractus_jax.grow import run as grow_run
 from fractus_jax.grow.__main__ import main as cli
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import loop
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
@@ -75,7 +76,7 @@ def test_layer_and_rank_growth_leave_the_logits_unchanged(source):
     logits, _, carry = _forward(state["params"], state["carry"], ids, cfg.model)
     L = cfg.model.n_layers
     for spec in (GrowthSpec(add_layers=1), GrowthSpec(siren_rank=12)):
-        new, new_cfg = grow_lib.grow_train_state(state, cfg, spec, key=jax.random.PRNGKey(7))
+        new, new_cfg = growth_lib.grow_train_state(state, cfg, spec, key=jax.random.PRNGKey(7))
         # Old entries kept exactly, in the leading corner.
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(_corner(b, a.shape), a), state["params"], new["params"])
         got, _, new_carry = _forward(new["params"], new["carry"], ids, new_cfg.model)   # the trainer's capacity path
@@ -107,8 +108,8 @@ def test_expert_growth_changes_exactly_the_rerouted_tokens_in_one_block(source):
     ids = source[2]
     before = grow_lib.probe(params, carry, ids, cfg1.model)
     hits = grow_lib.routing_demand(before[1], 8)
-    new, new_cfg = grow_lib.grow_train_state(state, cfg1, GrowthSpec(add_experts=2), key=jax.random.PRNGKey(4),
-                                             hits=hits)
+    new, new_cfg = growth_lib.grow_train_state(state, cfg1, GrowthSpec(add_experts=2), key=jax.random.PRNGKey(4),
+                                               hits=hits)
     phases = np.asarray(new["params"]["blocks"]["moe"]["expert_phases"])[0]
     busiest = np.argsort(-hits[0], kind="stable")[:2]
     np.testing.assert_allclose(phases[8:], np.mod(phases[busiest] + 2 * math.pi / 8 / 4, 2 * math.pi), atol=1e-6)
@@ -129,8 +130,8 @@ def test_expert_growth_changes_exactly_the_rerouted_tokens_in_one_block(source):
 def test_gradients_reach_the_new_parameters(source):
     cfg, state, ids = source
     hits = grow_lib.routing_demand(grow_lib.probe(state["params"], state["carry"], ids, cfg.model)[1], 8)
-    new, new_cfg = grow_lib.grow_train_state(state, cfg, GrowthSpec(1, 2, 12), key=jax.random.PRNGKey(5),
-                                             hits=hits)
+    new, new_cfg = growth_lib.grow_train_state(state, cfg, GrowthSpec(1, 2, 12), key=jax.random.PRNGKey(5),
+                                               hits=hits)
     exact = TrainConfig(**{**new_cfg.__dict__, "model": new_cfg.model.replace(capacity_factor=None)})
     inputs, targets = ids, np.roll(ids, -1, axis=1)
     grad = jax.jit(jax.grad(lambda p: step_lib._loss(p, new["carry"], inputs, targets, None, exact, 1.0)[0]))
@@ -175,7 +176,7 @@ def test_the_grown_directory_records_the_growth_and_keeps_old_moments(trained, g
     # With a capacity, the record says what one group of the config's rows gets per expert.
     cap = cfg_lib.apply_overrides(cfg, ["model.capacity_factor=1.25", "model.moe_group_rows=2"])
     more = cfg_lib.apply_overrides(cap, ["model.n_experts=10"])
-    assert grow_lib.capacity_change(cap, more) == {"group_tokens": 2 * cfg.seq_len, "before": 10, "after": 8}
+    assert growth_lib.capacity_change(cap, more) == {"group_tokens": 2 * cfg.seq_len, "before": 10, "after": 8}
     assert (out / "metrics.jsonl").read_text() == (run_dir / "metrics.jsonl").read_text()
     assert grow_run.resume_overrides(manifest["growth"]) == ["model.n_experts=10", "model.n_layers=3",
                                                              "model.siren_rank=12"]
@@ -254,22 +255,22 @@ def test_the_export_of_a_grown_run_loads_into_the_pytorch_reference(grown, tmp_p
     np.testing.assert_allclose(logits_j, logits_t.numpy(), rtol=1e-4, atol=1e-4)
 
 
-def test_grow_state_arrays_jits_onto_the_grown_runs_shardings(source):
+def test_growth_on_a_mesh_lands_on_the_grown_runs_shardings(source):
     """What the trainer's in-place growth does on a mesh: one jitted function of the state."""
     from fractus_jax import sharding
 
     cfg = TrainConfig(**{**source[0].__dict__, "mesh": MeshConfig(fsdp=2)})
     mesh = sharding.make_mesh(1, 2)
     state = jax.device_put(source[1], state_lib.train_state_shardings(cfg, mesh))
-    new_cfg = grow_lib.target_config(cfg, GrowthSpec(1, 2, 12))
+    new_cfg = growth_lib.target_config(cfg, GrowthSpec(1, 2, 12))
     phases = grow_lib.new_expert_phases(np.asarray(state["params"]["blocks"]["moe"]["expert_phases"]), 2)
     shardings = state_lib.train_state_shardings(new_cfg, mesh)
-    grow_fn = jax.jit(grow_lib.grow_state_arrays, static_argnums=(1, 2), out_shardings=shardings)
-    got = grow_fn(state, cfg, new_cfg, jax.random.PRNGKey(1), phases)
+    got, _ = growth_lib.grow_train_state(state, cfg, new_cfg.model, key=jax.random.PRNGKey(1), new_phases=phases,
+                                         mesh=mesh)
     assert got["params"]["blocks"]["moe"]["U1"].sharding == shardings["params"]["blocks"]["moe"]["U1"]
     assert got["params"]["blocks"]["moe"]["U1"].shape == (3, 10, 48, 12)
-    want, _ = grow_lib.grow_train_state(source[1], source[0], new_cfg.model, key=jax.random.PRNGKey(1),
-                                        new_phases=phases)   # the same growth on one device
+    want, _ = growth_lib.grow_train_state(source[1], source[0], new_cfg.model, key=jax.random.PRNGKey(1),
+                                          new_phases=phases)   # the same growth on one device
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6), got, want)
 
 
@@ -278,8 +279,8 @@ def test_sgd_momentum_grows_like_the_parameters(source):
     cfg = TrainConfig(**{**cfg.__dict__, "optimizer": "sgd"})
     opt = state_lib.make_optimizer(cfg, state["params"]).init(state["params"])
     opt = jax.tree.map(lambda leaf: jnp.full_like(leaf, 0.5), opt)
-    new, new_cfg = grow_lib.grow_train_state({**state, "opt_state": opt}, cfg, GrowthSpec(1, 2, 12),
-                                             key=jax.random.PRNGKey(5), new_phases=np.zeros((2, 2)))
+    new, new_cfg = growth_lib.grow_train_state({**state, "opt_state": opt}, cfg, GrowthSpec(1, 2, 12),
+                                               key=jax.random.PRNGKey(5), new_phases=np.zeros((2, 2)))
     assert new_cfg.model.n_experts == 10 and int(new["step"]) == 2
     traced = {jax.tree_util.keystr(p): np.asarray(x)
               for p, x in jax.tree_util.tree_flatten_with_path(new["opt_state"])[0]}
@@ -348,8 +349,8 @@ def test_refusals_say_why_and_write_nothing(case, trained, tmp_path, capsys):
         cfg = TrainConfig(model=engine_cfg.tiny(), batch_size=4, seq_len=16, mesh=MeshConfig(fsdp=4))
         src = _fake_run(tmp_path / "sharded", cfg)
         with pytest.raises(GrowthError, match="fsdp"):      # the pure check says the same
-            grow_lib.target_config(cfg, GrowthSpec(add_experts=2))
-        grow_lib.target_config(cfg, GrowthSpec(add_experts=4))   # a multiple of fsdp is fine
+            growth_lib.target_config(cfg, GrowthSpec(add_experts=2))
+        growth_lib.target_config(cfg, GrowthSpec(add_experts=4))   # a multiple of fsdp is fine
     if case == "out_not_empty":
         out.mkdir()
         (out / "keep.txt").write_text("x")

@@ -26,7 +26,7 @@ def _tiny_inputs(cfg, B=4, C=19, seed=0, dtype=jnp.float32):
     return params, fj.init_state(cfg, B, dtype), ids
 
 
-@pytest.mark.parametrize("variant", ["atom", "parent"])
+@pytest.mark.parametrize("variant", [pytest.param("atom", marks=pytest.mark.slow), "parent"])
 def test_scanned_layers_equal_a_layer_loop(variant):
     cfg = config.tiny(variant=variant, n_layers=3, capacity_factor=None)
     with jax.enable_x64(True):
@@ -48,6 +48,7 @@ def test_scanned_layers_equal_a_layer_loop(variant):
         np.testing.assert_allclose(h, h_scan, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_row_streams_change_nothing_but_the_schedule():
     """Two row streams give one stream's numbers (same dispatch groups): outputs, state,
     routing statistics and gradients, in float64, with capacity drops and a carried state."""
@@ -88,6 +89,7 @@ def test_row_streams_need_whole_dispatch_groups():
     model.forward_hidden(params, state, ids, config.tiny(row_streams=2, moe_group_rows=1))
 
 
+@pytest.mark.slow
 def test_remat_changes_nothing_but_memory():
     cfg = config.tiny()
     with jax.enable_x64(True):   # float64: remat may reorder float32 rounding, nothing more

@@ -107,7 +107,7 @@ def test_engine_dropless_equals_capacity_at_e_over_k(variant, kernel):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_shipped_configs_keep_every_assignment(name):
     cfg = cfg_lib.load_config(name)
-    assert cfg.model.capacity_factor is None, f"configs/{name}.py drops expert assignments"
+    assert cfg.model.capacity_factor is None, f"fractus_jax/configs/{name}.py drops expert assignments"
 
 
 @pytest.mark.parametrize("variant", ["atom", "parent"])

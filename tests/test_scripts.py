@@ -28,6 +28,7 @@ def test_plot_metrics_draws_a_png_and_names_bad_input(tmp_path):
     assert out.returncode == 2 and "error:" in out.stderr
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_end_to_end_on_a_cpu_with_the_tiny_config(tmp_path):
     """The GPU script's wiring (plan → batch → train → profile → attention, the files it
     writes) checked on a CPU, so that a first GPU run only measures."""

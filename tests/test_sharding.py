@@ -103,6 +103,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_on_localhost_match_one(corpus_file, tmp_path):
     overrides = [f"--set=corpus={corpus_file}", *[f"--set={o}" for o in SHARDED_RUN],
                  "--set=mesh.data=2", "--set=mesh.fsdp=4", "--set=max_steps=2", "--set=save_every=2"]

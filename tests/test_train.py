@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from fractus_jax import sharding
+from fractus_jax.config import EngineConfig
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
@@ -374,9 +375,35 @@ def test_a_missing_config_file_is_named_as_given(tmp_path):
     assert f"no such config file {missing} " in str(e.value) and ".py.py" not in str(e.value)
     with pytest.raises(cfg_lib.ConfigError, match="did you mean smoke?"):
         cfg_lib.load_config("smok")
-    assert cfg_lib.load_config("tiny.py") == cfg_lib.load_config("tiny")   # configs/tiny.py
-    (tmp_path / "mine.py").write_text((ROOT / "configs" / "tiny.py").read_text())
+    assert cfg_lib.load_config("tiny.py") == cfg_lib.load_config("tiny")   # fractus_jax/configs/tiny.py
+    (tmp_path / "mine.py").write_text((ROOT / "fractus_jax" / "configs" / "tiny.py").read_text())
     assert cfg_lib.load_config(str(tmp_path / "mine")) == cfg_lib.load_config("tiny")
+
+
+def test_a_saved_config_from_another_version_names_what_differs():
+    cfg = cfg_lib.load_config("tiny")
+    saved = cfg.to_dict()
+    saved["renamed_knob"] = 1                      # a field this version does not know
+    saved["model"]["old_engine_knob"] = 2
+    del saved["lr"], saved["model"]["remat"]       # fields added since: their defaults, with a note
+    said = []
+    got = cfg_lib.TrainConfig.from_dict(saved, log=said.append)
+    assert got.lr == cfg_lib.TrainConfig.lr and got.model.remat is False and got.seq_len == cfg.seq_len
+    text = "\n".join(said)
+    assert "renamed_knob" in text and "old_engine_knob" in text and "lr=0.0003" in text and "remat=False" in text
+    with pytest.raises(cfg_lib.ConfigError, match="renamed_knob"):
+        cfg_lib.TrainConfig.from_dict(saved, unknown="error", log=said.append)
+    del saved["model"]["d_model"]                  # a required field missing: refused, named
+    with pytest.raises(cfg_lib.ConfigError, match="config.model lacks fields this version needs: d_model"):
+        cfg_lib.TrainConfig.from_dict(saved, log=said.append)
+    # A PyTorch checkpoint's config: the other trainer's keys are expected, nothing is said.
+    torch_config = {**cfg.model.torch_kwargs(), "lr": 3e-4, "batch": 8}
+    said.clear()
+    assert EngineConfig.from_dict(torch_config, unknown="ignore", log=said.append) == EngineConfig(
+        **cfg.model.torch_kwargs())
+    assert said == []
+    # The unchanged config reads back silently.
+    assert cfg_lib.TrainConfig.from_dict(cfg.to_dict(), log=said.append) == cfg and said == []
 
 
 def test_a_refused_config_exits_2_with_one_error_line_and_no_note(tmp_path):

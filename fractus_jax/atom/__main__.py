@@ -7,6 +7,10 @@ import argparse
 import json
 import sys
 
+from fractus_jax.atom import corpus, stream
+from fractus_jax.atom.bench import bench_encode
+from fractus_jax.atom.reader import CorpusError
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fractus_jax.atom",
@@ -40,7 +44,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from fractus_jax.atom import corpus, stream
     if args.cmd == "build":
         corpus.build_corpus(args.src, args.out, field=args.field, force=args.force,
                             progress=not args.quiet)
@@ -69,14 +72,12 @@ def run(args) -> int:
         fn = stream.encode_open if args.open else stream.encode
         print(" ".join(map(str, fn(args.text).tolist())))
     elif args.cmd == "bench":
-        from fractus_jax.atom.bench import bench_encode
         bench_encode(mb=args.mb, json=args.json)
     return 0
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from fractus_jax.atom.reader import CorpusError
     try:
         return run(args)
     except (CorpusError, OSError) as e:

@@ -143,7 +143,7 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def _progress(total: int, enabled: bool, desc: str):
-    from tqdm import tqdm
+    from tqdm import tqdm   # loaded only when a corpus is built
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                 disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 

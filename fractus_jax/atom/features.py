@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fractus_jax.atom.ids import BOS, BOUNDARY_FIRST, BOUNDARY_LAST, MAX_SPAN, N_BOUNDARIES, PAD
+from fractus_jax.atom.ids import BOS, BOUNDARY_FIRST, BOUNDARY_LAST, FEAT_DIM, MAX_SPAN, N_BOUNDARIES, PAD
 from fractus_jax.atom.stream import CLASS  # first-byte class (the spec's five)
 
-FEAT_DIM = 320
 SKETCH = 128  # hashed byte unigram + bigram buckets
 CONTEXT_PACKETS = 8  # the rolling context: mean sketch of up to 8 earlier packets
 HISTORY = 4  # kinds and lengths of the 4 previous packets

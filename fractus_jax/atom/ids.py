@@ -1,7 +1,9 @@
-"""The Atom alphabet (docs/spec.md §5): the special ids, named once.
+"""The Atom alphabet (docs/spec.md §5): the special ids and sizes, named once.
 
 Ids 0-255 are the raw bytes of UTF-8 text; 256-265 are the special ids below.
-Every other module imports these names rather than writing the numbers.
+Every other module (the engine's config and model included) imports these names rather
+than writing the numbers; this module imports nothing, so the engine can import it
+without loading the encoder.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ BOUNDARIES = tuple(range(BOUNDARY_FIRST, BOUNDARY_LAST + 1))
 N_BOUNDARIES = len(BOUNDARIES)  # 7
 
 MAX_SPAN = 32  # bytes of payload in one packet, at most
+
+FEAT_DIM = 320  # the packet features' width (fractus_jax.atom.features; the engine's atom_feat_dim)
 
 NAMES = {
     PAD: "PAD",

@@ -26,7 +26,7 @@ import numpy as np
 
 from fractus_jax.atom.ids import (
     B_FLUSH, B_MAXSPAN, B_NEWLINE, B_PUNCT, B_TRANSITION, B_WHITESPACE, BOS, EOS,
-    MAX_SPAN, PAD, VOCAB,
+    MAX_SPAN, PAD, TAGS, VOCAB,
 )
 
 BytesLike = Union[bytes, bytearray, memoryview, np.ndarray]
@@ -413,7 +413,6 @@ def render(ids, errors: str = "replace") -> str:
     """``ids`` as text with every special id shown inline as a tag (``⟨BOS⟩``,
     ``⟨ws⟩``, ``⟨pu⟩``, ``⟨nl⟩``, ``⟨tr⟩``, ``⟨ms⟩``, ``⟨fl⟩``, ``⟨gen⟩``, ``⟨EOS⟩``),
     for inspection."""
-    from fractus_jax.atom.ids import TAGS
     a = check_ids(ids)
     special = np.flatnonzero(a >= PAD)
     parts, prev = [], 0

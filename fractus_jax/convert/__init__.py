@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 from fractus_jax.config import EngineConfig
 from fractus_jax.convert import names
+from fractus_jax.model import init_params
 
 
 class ConversionError(ValueError):
@@ -46,9 +48,6 @@ def _set(tree, path, value):
 
 def expected_shapes(cfg: EngineConfig) -> dict[str, tuple]:
     """PyTorch name → shape of every weight and buffer the config implies."""
-    import jax
-
-    from fractus_jax.model import init_params
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
     out = {name: tuple(_get(shapes, path).shape) for path, name in names.top_level(cfg)}
     out[names.TIED_HEAD] = out["observe.weight"]

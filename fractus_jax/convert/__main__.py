@@ -8,6 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fractus_jax.convert import ConversionError
+from fractus_jax.train.checkpoint import CheckpointError
+from fractus_jax.train.config import ConfigError
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fractus_jax.convert", description=__doc__,
@@ -25,7 +29,7 @@ def parse_args(argv=None):
     i = sub.add_parser("import", help="a PyTorch checkpoint → a new run directory the trainer resumes")
     i.add_argument("--pt", required=True, metavar="FILE", help=".pt, .bin, .pth or .safetensors")
     i.add_argument("--out", required=True, metavar="DIR", help="the new run directory")
-    i.add_argument("--config", required=True, help="configs/NAME.py (or a path): the run's TrainConfig")
+    i.add_argument("--config", required=True, help="a config name (fractus_jax/configs/NAME.py) or a path: the run's TrainConfig")
     i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, as for the trainer")
     i.add_argument("--opt", dest="opt_file", metavar="FILE",
@@ -53,13 +57,9 @@ def torch_missing_message(e: ModuleNotFoundError, command: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from fractus_jax.convert import ConversionError
-    from fractus_jax.train.checkpoint import CheckpointError
-    from fractus_jax.train.config import ConfigError
-
     warn = lambda msg: print(f"warning: {msg}", file=sys.stderr)  # noqa: E731
     try:
-        from fractus_jax.convert import run
+        from fractus_jax.convert import run   # needs torch: a missing one is answered below
         if args.command == "export":
             for path in run.export_run(args.ckpt, args.out, opt=args.opt, hub=args.hub):
                 print(path)

@@ -146,7 +146,7 @@ def read_checkpoint(path, trust_pickle: bool = False) -> TorchCheckpoint:
 
 
 def _read_safetensors(path: Path) -> TorchCheckpoint:
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open   # the torch extra: loaded on use
     from safetensors.torch import load_file
 
     if not path.exists():

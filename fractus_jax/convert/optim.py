@@ -26,6 +26,7 @@ import torch
 from fractus_jax import convert
 from fractus_jax.config import EngineConfig
 from fractus_jax.convert import ConversionError
+from fractus_jax.reference import FractusEngine
 from fractus_jax.train.config import TrainConfig
 
 _MOMENT_TYPES = (optax.ScaleByAdamState, optax.TraceState)
@@ -92,7 +93,6 @@ def _names_to_tree(by_name: dict[str, np.ndarray], template, cfg: EngineConfig):
 @functools.lru_cache(maxsize=4)
 def _meta_engine(cfg: EngineConfig):
     """The reference module on the meta device: names, order and shapes, no memory."""
-    from fractus_jax.reference import FractusEngine
     with torch.device("meta"):
         return FractusEngine(**cfg.torch_kwargs())
 

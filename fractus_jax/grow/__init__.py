@@ -21,16 +21,21 @@ Depth and rank growth leave the logits of any chunk, with the carried state, unc
 (float32 rounding at most). Expert growth cannot: top-k may now pick a new (zero) expert
 for tokens near its phase; `compare_probe` measures how many and by how much.
 
-Optimizer moments (AdamW mu/nu, SGD trace) and the carried state are extended with zeros;
-the counters (AdamW count, step) stay. All array work is jnp on whatever arrays come in,
-so `grow_state_arrays` can be jitted with the grown run's out_shardings.
+Optimizer moments (AdamW mu/nu, SGD trace) and the carried state are extended with zeros
+(`grow_like`); the counters (AdamW count, step) stay. All array work is jnp on whatever
+arrays come in, so it can be jitted with the grown run's out_shardings.
+
+This package is the engine's side of growth and depends on the engine and its config
+only. A train state (its TrainConfig, optimizer, mesh and growth record) grows in
+`fractus_jax.train.growth`; `python -m fractus_jax.grow` (`grow.run`) is the command line
+on top of both.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import types
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +43,6 @@ import numpy as np
 
 from fractus_jax import model, sharding
 from fractus_jax.config import WEIGHT_FIELDS, EngineConfig
-from fractus_jax.kernels import moe as moe_k
-from fractus_jax.train.config import MeshConfig, TrainConfig
 
 # Of the fields that decide the weights' shapes (WEIGHT_FIELDS, as the trainer's resume check) only these may change.
 GROWABLE = ("n_layers", "n_experts", "siren_rank")
@@ -71,21 +74,18 @@ class GrowthSpec:
 
 # ----------------------------------------------------------------------------- checks
 
-def _mesh_stub(mesh: MeshConfig):
-    """What `sharding.unsharded_dims` reads of a mesh (its axis sizes), without devices."""
-    return types.SimpleNamespace(shape={"data": mesh.data, "fsdp": mesh.fsdp})
-
-
-def sharding_problems(old: EngineConfig, new: EngineConfig, mesh: MeshConfig) -> list[str]:
-    """Splits the old run's mesh made that the grown shapes would not allow."""
-    stub = _mesh_stub(mesh)
+def sharding_problems(old: EngineConfig, new: EngineConfig, mesh_axes: Mapping[str, int]) -> list[str]:
+    """Splits a mesh of these axis sizes ({"data": d, "fsdp": f}) made of the old shapes
+    that the grown shapes would not allow (no devices needed)."""
+    stub = types.SimpleNamespace(shape=dict(mesh_axes))   # what `sharding.unsharded_dims` reads of a mesh
     shapes = lambda m: jax.eval_shape(lambda: model.init_params(m, jax.random.PRNGKey(0)))  # noqa: E731
     before = {p.split(":")[0] for p in sharding.unsharded_dims(shapes(old), stub)}
     return [p for p in sharding.unsharded_dims(shapes(new), stub) if p.split(":")[0] not in before]
 
 
-def check_growth(old: EngineConfig, new: EngineConfig, mesh: MeshConfig = MeshConfig()) -> None:
-    """Raise GrowthError unless `new` is `old` grown in depth, experts or rank only."""
+def check_growth(old: EngineConfig, new: EngineConfig, mesh_axes: Optional[Mapping[str, int]] = None) -> None:
+    """Raise GrowthError unless `new` is `old` grown in depth, experts or rank only (and,
+    given the mesh's axis sizes, split by that mesh as `old` is)."""
     if new.vocab_size != old.vocab_size:
         raise GrowthError(f"vocab_size {old.vocab_size} -> {new.vocab_size}: the vocabulary does not grow "
                           "(the Atom alphabet is closed); only n_layers, n_experts and siren_rank do")
@@ -98,28 +98,30 @@ def check_growth(old: EngineConfig, new: EngineConfig, mesh: MeshConfig = MeshCo
         raise GrowthError(f"only n_layers, n_experts and siren_rank can grow; this changes {', '.join(other)}")
     if all(getattr(new, k) == getattr(old, k) for k in GROWABLE):
         raise GrowthError("nothing to grow: give --add-layers, --add-experts or a larger --siren-rank")
-    bad = sharding_problems(old, new, mesh)
+    bad = sharding_problems(old, new, mesh_axes) if mesh_axes else []
     if bad:
-        raise GrowthError(f"the run's mesh (data={mesh.data}, fsdp={mesh.fsdp}) could not split the grown "
-                          f"tensors as it splits the current ones: {'; '.join(bad)}. Choose a growth "
-                          f"the fsdp axis divides (n_experts a multiple of {mesh.fsdp})")
+        sizes = ", ".join(f"{k}={v}" for k, v in mesh_axes.items())
+        raise GrowthError(f"the run's mesh ({sizes}) could not split the grown tensors as it splits the "
+                          f"current ones: {'; '.join(bad)}. Choose a growth the fsdp axis divides "
+                          f"(n_experts a multiple of {mesh_axes.get('fsdp', 1)})")
 
 
-def target_config(cfg: TrainConfig, growth: Union[GrowthSpec, EngineConfig]) -> TrainConfig:
-    """The grown run's TrainConfig (the model grown, the rest as it was), checked."""
+def target_engine(old: EngineConfig, growth: Union[GrowthSpec, EngineConfig],
+                  mesh_axes: Optional[Mapping[str, int]] = None) -> EngineConfig:
+    """The grown engine config (a GrowthSpec applied, or the grown config itself), checked."""
     if isinstance(growth, GrowthSpec):
         for name in ("add_layers", "add_experts"):
             if getattr(growth, name) < 0:
                 raise GrowthError(f"growth cannot shrink: {name}={getattr(growth, name)}")
-        new_model = growth.target(cfg.model)
+        new = growth.target(old)
     else:
-        new_model = growth
+        new = growth
     try:
-        new_model = dataclasses.replace(new_model)   # re-run EngineConfig's own checks
+        new = dataclasses.replace(new)   # re-run EngineConfig's own checks
     except ValueError as e:
         raise GrowthError(str(e)) from None
-    check_growth(cfg.model, new_model, cfg.mesh)
-    return dataclasses.replace(cfg, model=new_model)
+    check_growth(old, new, mesh_axes)
+    return new
 
 
 # ----------------------------------------------------------------------------- expert phases
@@ -154,6 +156,15 @@ def new_expert_phases(phases_LxE, n_add: int, hits_LxE=None) -> np.ndarray:
             out[layer, k] = p
             placed.append(p)
     return out
+
+
+def expert_phases_for(params, old: EngineConfig, new: EngineConfig, hits_LxE=None) -> Optional[np.ndarray]:
+    """The phases (L_old, E_new − E_old) of the new experts of the existing layers, from
+    the concrete parameters (None when no experts are added)."""
+    n_add = new.n_experts - old.n_experts
+    if not n_add:
+        return None
+    return new_expert_phases(np.asarray(jax.device_get(params["blocks"]["moe"]["expert_phases"])), n_add, hits_LxE)
 
 
 def routing_demand(expert_idx_LxBxCxK, n_experts: int) -> np.ndarray:
@@ -226,40 +237,10 @@ def grow_params(params, old: EngineConfig, new: EngineConfig, key, new_phases=No
     return grow_like(params, fresh)
 
 
-def grow_state_arrays(state, cfg: TrainConfig, new_cfg: TrainConfig, key, new_phases=None):
-    """The train state {params, opt_state, carry, step, skipped} grown to new_cfg's model.
-
-    Pure jnp (jit-able: wrap with out_shardings=train_state_shardings(new_cfg, mesh));
-    `new_phases` must be given when experts grow (computed outside, on concrete hits).
-    """
-    from fractus_jax.train import state as state_lib
-
-    params = grow_params(state["params"], cfg.model, new_cfg.model, key, new_phases)
-    template = state_lib.make_optimizer(new_cfg, params).init(params)
-    opt_state = grow_like(state["opt_state"], template, params)
-    carry = grow_carry(state["carry"], new_cfg.model)
-    return {**state, "params": params, "opt_state": opt_state, "carry": carry}
-
-
 def grow_carry(carry, new: EngineConfig):
     """The carried state with zero entries for the new layers."""
     batch = carry["thought"].shape[0]
     return grow_like(carry, model.init_state(new, batch, dtype=carry["thought"].dtype))
-
-
-def grow_train_state(state, cfg: TrainConfig, growth: Union[GrowthSpec, EngineConfig], *, key,
-                     hits=None, new_phases=None):
-    """(grown state, grown TrainConfig). Checks first (GrowthError); `hits` (L, E) place
-    the new experts (None: widest gaps); `new_phases` overrides the placement. The arrays
-    come back wherever jit puts them (one device for single-device input); on a mesh,
-    jit `grow_state_arrays` with the grown run's out_shardings instead."""
-    new_cfg = target_config(cfg, growth)
-    n_add = new_cfg.model.n_experts - cfg.model.n_experts
-    if n_add and new_phases is None:
-        old_phases = np.asarray(jax.device_get(state["params"]["blocks"]["moe"]["expert_phases"]))
-        new_phases = new_expert_phases(old_phases, n_add, hits)
-    grow = jax.jit(grow_state_arrays, static_argnums=(1, 2))   # one program, not one per array operation
-    return grow(state, cfg, new_cfg, key, new_phases), new_cfg
 
 
 # ----------------------------------------------------------------------------- what changed
@@ -300,13 +281,3 @@ def compare_probe(old_out, new_out, rtol: float = 1e-4) -> dict:
             "max_logit_change": float(delta.max()),
             "changed_fraction": float((delta > tol).mean()),
             "rerouted_mask": rerouted, "changed_mask": delta > tol}
-
-
-def capacity_change(cfg: TrainConfig, new_cfg: TrainConfig) -> Optional[dict]:
-    """Per-expert capacity of one dispatch group, before and after (None without capacity)."""
-    if cfg.model.capacity_factor is None:
-        return None
-    rows = cfg.model.moe_group_rows or cfg.batch_size
-    T = rows * cfg.seq_len
-    cap = lambda m: moe_k.expert_capacity(T, m.n_experts, m.top_k, m.capacity_factor)  # noqa: E731
-    return {"group_tokens": T, "before": cap(cfg.model), "after": cap(new_cfg.model)}

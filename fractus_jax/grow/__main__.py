@@ -12,6 +12,11 @@ import argparse
 import json
 import sys
 
+from fractus_jax.atom.corpus import CorpusError
+from fractus_jax.grow import GrowthError, GrowthSpec
+from fractus_jax.grow import run
+from fractus_jax.train.checkpoint import CheckpointError, read_manifest
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fractus_jax.grow", description=__doc__,
@@ -36,11 +41,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from fractus_jax.atom.corpus import CorpusError
-    from fractus_jax.grow import GrowthError, GrowthSpec
-    from fractus_jax.grow import run
-    from fractus_jax.train.checkpoint import CheckpointError
-
     warn = lambda msg: print(f"warning: {msg}", file=sys.stderr)  # noqa: E731
     try:
         spec = GrowthSpec(args.add_layers, args.add_experts, args.siren_rank)
@@ -57,7 +57,6 @@ def main(argv=None) -> int:
     cap = record.get("capacity_per_expert")
     if cap and cap["before"] != cap["after"]:
         print(f"capacity per expert per group of {cap['group_tokens']} tokens: {cap['before']} -> {cap['after']}")
-    from fractus_jax.train.checkpoint import read_manifest
     growth = read_manifest(args.out)["growth"]
     print("resume with the run's trainer command plus: " + " ".join(f"--set {o}" for o in run.resume_overrides(growth)))
     print(json.dumps(record, sort_keys=True))

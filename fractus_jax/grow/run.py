@@ -6,7 +6,6 @@ metrics log, the manifest last) while --out is locked as a run directory.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 from pathlib import Path
@@ -17,9 +16,12 @@ import numpy as np
 
 from fractus_jax import grow as grow_lib
 from fractus_jax.grow import GrowthError, GrowthSpec
+from fractus_jax.atom.corpus import CorpusError, open_corpus
 from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import rundir
 from fractus_jax.train.config import ConfigError, TrainConfig, apply_overrides
+from fractus_jax.train.data import DataError, LaneReader
 
 Log = Callable[[str], None]
 HITS_SOURCES = ("auto", "probe", "metrics", "none")
@@ -47,15 +49,12 @@ def target_from(cfg: TrainConfig, growth: GrowthSpec, overrides: Sequence[str]) 
         asked = apply_overrides(cfg, list(overrides)).model
     except ConfigError as e:
         raise GrowthError(str(e)) from None
-    return grow_lib.target_config(cfg, growth.target(asked) if overrides else growth)
+    return growth_lib.target_config(cfg, growth.target(asked) if overrides else growth)
 
 
 def probe_chunk(cfg: TrainConfig, meta: dict, rows: int, corpus_path=None, log: Log = print):
     """(ids (rows, seq_len), row indices, where they came from): the first rows of the batch
     the trainer reads next, or random byte ids when the corpus cannot be read."""
-    from fractus_jax.atom.corpus import CorpusError, open_corpus
-    from fractus_jax.train.data import DataError, LaneReader
-
     rows = max(1, min(rows, cfg.batch_size))
     path = corpus_path or (meta.get("corpus") or {}).get("path") or cfg.corpus
     if path:
@@ -119,22 +118,15 @@ def grow_run(ckpt, out, growth: GrowthSpec, overrides: Sequence[str] = (), hits:
             if hit_counts is None and hits == "metrics":
                 log(f"{run_dir / METRICS} holds no expert_hits for this shape: new experts go to the widest gaps")
     key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
-    grown, _ = grow_lib.grow_train_state(state, cfg, new_cfg.model, key=key, hits=hit_counts)
+    grown, _ = growth_lib.grow_train_state(state, cfg, new_cfg.model, key=key, hits=hit_counts)
     new_out = grow_lib.probe(grown["params"], _rows(grown["carry"], len(ids)), ids, new_cfg.model)
     change = grow_lib.compare_probe(old_out, new_out)
     phases = np.asarray(grown["params"]["blocks"]["moe"]["expert_phases"])[:cfg.model.n_layers, cfg.model.n_experts:]
-
-    record = {"at_step": step, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "add_layers": spec.add_layers, "add_experts": spec.add_experts,
-              "siren_rank": new_cfg.model.siren_rank,
-              "from": {k: getattr(cfg.model, k) for k in grow_lib.GROWABLE},
-              "to": {k: getattr(new_cfg.model, k) for k in grow_lib.GROWABLE},
-              "source": str(run_dir.resolve()), "seed": seed,
-              "probe": f"{probe_source}, {ids.shape[0]} rows x {ids.shape[1]}, carried state, no capacity",
-              **{k: v for k, v in change.items() if not k.endswith("_mask")},
-              "hits_source": hits_source if spec.add_experts else None,
-              "new_expert_phases": np.round(phases, 6).tolist() if spec.add_experts else None,
-              "capacity_per_expert": grow_lib.capacity_change(cfg, new_cfg)}
+    record = growth_lib.growth_record(
+        cfg, new_cfg, step, hits_source, source=str(run_dir.resolve()), seed=seed,
+        probe=f"{probe_source}, {ids.shape[0]} rows x {ids.shape[1]}, carried state, no capacity",
+        **{k: v for k, v in change.items() if not k.endswith("_mask")},
+        new_expert_phases=np.round(phases, 6).tolist() if spec.add_experts else None)
     new_meta = {**meta, "config": new_cfg.to_dict(), "growth": [*meta.get("growth", []), record]}
     _write(out, grown, new_meta, run_dir, step, new_cfg, log)
     return record

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fractus_jax.dtypes import accum_dtype
+
 _DEN_FLOOR = 1e-10  # below this |den| the output is defined as 0 (docs/spec.md §3.1)
 _DEN_EPS = 1e-20
 
@@ -36,8 +38,7 @@ def _safe_divide(num, den):
     return jnp.where(ok[..., None], num / den_safe[..., None], 0.0)
 
 
-def _state_dtype(dtype):
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+_state_dtype = accum_dtype
 
 
 def linear_attention_reference(qf, kf, v, S0, z0, reset):

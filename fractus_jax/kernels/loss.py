@@ -11,13 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def _acc_dtype(x):
-    return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+from fractus_jax.dtypes import accum_dtype
 
 
 def _block_terms(h_NxD, W_VxD, targets_N, weight_N, repeat_N):
-    logits = jnp.einsum("nd,vd->nv", h_NxD, W_VxD.astype(h_NxD.dtype)).astype(_acc_dtype(h_NxD))
+    logits = jnp.einsum("nd,vd->nv", h_NxD, W_VxD.astype(h_NxD.dtype)).astype(accum_dtype(h_NxD.dtype))
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets_N[:, None], axis=-1)[:, 0]
     # Probability given to repeating the current input id: the anti-repeat term.
@@ -38,7 +36,7 @@ def cross_entropy_terms(h_BxCxD, W_VxD, targets_BxC, chunk: int = 1024, weights_
     h = h_BxCxD.reshape(-1, d_model)
     t = targets_BxC.reshape(-1).astype(jnp.int32)
     rep = t if repeat_ids_BxC is None else repeat_ids_BxC.reshape(-1).astype(jnp.int32)
-    acc = _acc_dtype(h)
+    acc = accum_dtype(h.dtype)
     w = jnp.ones(t.shape, acc) if weights_BxC is None else weights_BxC.reshape(-1).astype(acc)
     chunk, n_blocks, pad = _blocks(h.shape[0], chunk)
     if pad:  # padded rows weigh nothing

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from fractus_jax.atom.ids import BOS, FEAT_DIM
 from fractus_jax.reference import functional as Fn
 from fractus_jax.reference.blocks import FractusBlock
 
@@ -22,8 +23,8 @@ class FractusEngine(nn.Module):
                  n_experts: int, top_k: int, expert_d_ff: int, siren_rank: int,
                  variant: str = "atom", gate_temperature: float = 2.5, kuramoto_steps: int = 1,
                  kuramoto_dt: float = 0.1, kuramoto_damping: float = 0.01,
-                 moe_kappa: float = 4.0, ln_eps: float = 1e-5, bos_id: Optional[int] = 257,
-                 atom_feat_dim: int = 320, **_ignored):
+                 moe_kappa: float = 4.0, ln_eps: float = 1e-5, bos_id: Optional[int] = BOS,
+                 atom_feat_dim: int = FEAT_DIM, **_ignored):
         super().__init__()
         if variant not in ("atom", "parent"):
             raise ValueError(f"variant must be 'atom' or 'parent', got {variant!r}")

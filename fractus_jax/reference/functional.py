@@ -10,10 +10,12 @@ from typing import Optional
 
 import torch
 
+from fractus_jax.atom.ids import BOUNDARY_FIRST, BOUNDARY_LAST
+
 TWO_PI = 2.0 * math.pi
 GOLDEN = (1.0 + math.sqrt(5.0)) / 2.0
 # Atom boundary ids (docs/spec.md §5): atom features enter only at these positions.
-BOUNDARY_IDS = (259, 265)  # inclusive range
+BOUNDARY_IDS = (BOUNDARY_FIRST, BOUNDARY_LAST)  # inclusive range
 DEN_EPS = 1e-20
 DEN_MIN = 1e-10
 GATE_MIN = 1e-10

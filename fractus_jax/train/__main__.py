@@ -7,10 +7,17 @@ import shlex
 import sys
 from pathlib import Path
 
+import jax
+
+from fractus_jax import hostmem
+from fractus_jax.atom.corpus import CorpusError
+from fractus_jax.train import checkpoint, config, data, loop
+from fractus_jax.train.loop import METRICS
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fractus_jax.train", description=__doc__)
-    p.add_argument("--config", required=True, help="configs/NAME.py, or a path to a config file")
+    p.add_argument("--config", required=True, help="a config name (fractus_jax/configs/NAME.py), or a path to a config file")
     p.add_argument("--workdir", required=True, help="run directory: checkpoints, manifest, metrics")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field (dotted: model.variant=parent) or a PyTorch trainer name (BATCH=16)")
@@ -29,8 +36,6 @@ def parse_args(argv=None):
 
 def init_distributed(args) -> None:
     """Before any JAX computation: join the other processes of a multi-host run."""
-    import jax
-
     if args.local_devices:
         jax.config.update("jax_num_cpu_devices", args.local_devices)
     if args.distributed or args.coordinator:
@@ -43,14 +48,8 @@ def init_distributed(args) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    from fractus_jax.atom.corpus import CorpusError
-    from fractus_jax.train import checkpoint, config, data, loop
-
     user_errors = (config.ConfigError, loop.TrainError, CorpusError, checkpoint.CheckpointError, data.DataError)
     init_distributed(args)
-    import jax
-
-    from fractus_jax import hostmem
     lead = jax.process_index() == 0
     try:
         cfg = config.apply_overrides(config.load_config(args.config), args.overrides)
@@ -83,8 +82,6 @@ def _script(name: str) -> str:
 
 def outputs_summary(args, argv, cfg, manifest) -> str:
     """Where a finished (or stopped) run's outputs are, and the commands that use them."""
-    from fractus_jax.train.loop import METRICS
-
     workdir = Path(args.workdir)
     q = shlex.quote
     lines = [f"run directory: {workdir}"]

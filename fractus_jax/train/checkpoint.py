@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from fractus_jax.config import EngineConfig
 from fractus_jax.train import rundir
-from fractus_jax.train.config import TrainConfig
+from fractus_jax.train import state as train_state
+from fractus_jax.train.config import ConfigError, TrainConfig
 from fractus_jax.train.rundir import (CHECKPOINTS, FORMAT_VERSION, MANIFEST, CheckpointError,  # noqa: F401
                                       read_manifest, write_json_atomic)
 
@@ -474,13 +474,16 @@ def read_step(run_dir, step: Optional[int] = None) -> tuple[int, dict, TrainConf
         if manifest is None or "config" not in manifest:
             raise CheckpointError(f"{run_dir}: step {step} records no config and there is no manifest with one")
         meta["config"] = manifest["config"]
-    return step, meta, TrainConfig.from_dict(meta["config"])
+    where = Path(run_dir) / CHECKPOINTS / str(step)
+    try:   # a config saved by another version: its unknown keys warned about, its missing defaults noted
+        cfg = TrainConfig.from_dict(meta["config"], log=lambda msg: _stderr(f"{where}: {msg}"))
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return step, meta, cfg
 
 
 def one_device_abstract(cfg: TrainConfig):
     """The abstract train state of cfg (ShapeDtypeStructs) on the first device."""
-    from fractus_jax.train import state as train_state
-
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                         train_state.abstract_train_state(cfg))
@@ -513,7 +516,3 @@ def load_for_inference(ckpt, step: Optional[int] = None):
     step, _, cfg = read_step(run_dir, step)
     state, _ = restore_one_device(run_dir, step, cfg, items=("params",))
     return state["params"], cfg.model
-
-
-def engine_config_of(manifest: dict) -> EngineConfig:
-    return EngineConfig.from_dict(manifest["config"]["model"])

@@ -1,6 +1,7 @@
 """The trainer's configuration: frozen dataclasses, config files and dotted overrides.
 
-`--config NAME` loads `configs/NAME.py` (or a path), whose `get_config()` returns a
+`--config NAME` loads `NAME.py` of the shipped configs (fractus_jax/configs/; a
+`configs/NAME.py` in the working directory first), or a path, whose `get_config()` returns a
 TrainConfig; `--set a.b=value` replaces one field, parsed by the field's declared type.
 The PyTorch trainers' environment names (BATCH, LR, ...) are accepted as override keys.
 """
@@ -13,9 +14,9 @@ import json
 import math
 import typing
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from fractus_jax.config import EngineConfig
+from fractus_jax.config import EngineConfig, field_values
 
 
 class ConfigError(ValueError):
@@ -123,13 +124,21 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        d = dict(d)
-        d["model"] = EngineConfig.from_dict(d["model"])
-        d["mesh"] = MeshConfig(**d.get("mesh", {}))
-        d["grow"] = GrowConfig(**d.get("grow", {}))
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+    def from_dict(cls, d: dict[str, Any], unknown: str = "warn",
+                  log: Optional[Callable[[str], None]] = None) -> "TrainConfig":
+        """Build from a saved config (a manifest's or a checkpoint's): a key this version does
+        not know is warned about (unknown="warn") or refused ("error"), a field it lacks takes
+        its default with a note, a lacking required field is refused (ConfigError), each named
+        (fractus_jax.config.field_values)."""
+        try:
+            d = field_values(cls, d, unknown, log)
+            groups = {"model": EngineConfig, "mesh": MeshConfig, "grow": GrowConfig}
+            for name, group in groups.items():
+                if name in d:
+                    d[name] = group(**field_values(group, d[name], unknown, log, where=f"config.{name}"))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        return cls(**d)
 
 
 # Override keys that are not field paths: the PyTorch trainers' environment names, and
@@ -142,15 +151,15 @@ ALIASES = {
     "MAX_STEPS": "max_steps", "CKPT_IN": "init_from",
     "remat": "model.remat", "dtype": "model.compute_dtype",
 }
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"   # shipped with the package
 
 
 def load_config(name: str) -> TrainConfig:
-    """NAME → configs/NAME.py (or NAME as a path) → its get_config()."""
+    """NAME → ./configs/NAME.py or fractus_jax/configs/NAME.py (or NAME as a path) → its get_config()."""
     path = Path(name)
-    known = sorted(p.stem for p in CONFIG_DIR.glob("*.py")) if CONFIG_DIR.exists() else []
+    known = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
     if path.suffix == ".py" and len(path.parts) == 1 and not path.exists():
-        name = path.stem   # smoke.py: configs/smoke.py
+        name = path.stem   # smoke.py: the config named smoke
         path = Path(name)
     if path.suffix == ".py" or len(path.parts) > 1:
         # A path: a file, or the name of a file that is not there (no configs/ lookup).
@@ -160,7 +169,7 @@ def load_config(name: str) -> TrainConfig:
             raise ConfigError(f"--config {name}: {path} is a directory, not a config file")
         if not path.is_file():
             raise ConfigError(f"--config {name}: no such config file {path} "
-                              f"(or a name from configs/: {', '.join(known)})")
+                              f"(or a config name: {', '.join(known)})")
     else:
         candidates = list(dict.fromkeys([Path.cwd() / "configs" / f"{name}.py", CONFIG_DIR / f"{name}.py"]))
         path = next((p for p in candidates if p.exists()), None)

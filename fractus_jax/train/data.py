@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
+
+from fractus_jax.atom.features import atom_features
+from fractus_jax.atom.ids import FEAT_DIM
 
 
 class DataError(ValueError):
@@ -65,9 +69,7 @@ class LaneReader:
 
 
 def chunk_features(chunks: np.ndarray, context: Optional[np.ndarray]) -> np.ndarray:
-    """Atom packet features (accum, rows, C, 320) of each chunk's inputs."""
-    from fractus_jax.atom.features import atom_features
-
+    """Atom packet features (accum, rows, C, FEAT_DIM) of each chunk's inputs."""
     inputs = chunks[..., :-1]
     return np.stack([atom_features(inputs[a], left=None if context is None else context[a])
                      for a in range(inputs.shape[0])])
@@ -75,8 +77,6 @@ def chunk_features(chunks: np.ndarray, context: Optional[np.ndarray]) -> np.ndar
 
 def global_batch(reader: LaneReader, pos: int, shardings: dict, feature_context: int = 0) -> dict:
     """The step's batch as global arrays; each addressable shard reads its own rows."""
-    import jax
-
     A, B, C = reader.accum, reader.batch_size, reader.seq_len
 
     def ids_shard(index):
@@ -87,5 +87,5 @@ def global_batch(reader: LaneReader, pos: int, shardings: dict, feature_context:
         def feats_shard(index):
             chunks, _, context = reader.read(pos, left=feature_context, rows=index[1])
             return chunk_features(chunks, context)[index[0]]
-        batch["feats"] = jax.make_array_from_callback((A, B, C, 320), shardings["feats"], feats_shard)
+        batch["feats"] = jax.make_array_from_callback((A, B, C, FEAT_DIM), shardings["feats"], feats_shard)
     return batch

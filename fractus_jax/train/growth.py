@@ -1,4 +1,10 @@
-"""The trainer's side of growth: grow in place at `grow_at`, and resume grown runs.
+"""Growth of a train state, and the trainer's side of it: grow in place at `grow_at`,
+and resume grown runs.
+
+`fractus_jax.grow` grows the engine's arrays (parameters, moments, carried state); this
+module grows a whole train state (its TrainConfig, optimizer state, mesh shardings) and
+writes the growth record, once for both the trainer's in-place growth and
+`python -m fractus_jax.grow`.
 
 A run grown at step s (in place, or by `python -m fractus_jax.grow`) keeps its original
 command line: its manifest's `growth` records say which model shape the command line's
@@ -8,20 +14,84 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Optional
+from typing import Optional, Union
 
 import jax
-import numpy as np
 
-from fractus_jax.config import WEIGHT_FIELDS
-from fractus_jax.train.config import TrainConfig
+from fractus_jax import grow as grow_lib
+from fractus_jax.config import WEIGHT_FIELDS, EngineConfig
+from fractus_jax.grow import GrowthSpec
+from fractus_jax.kernels import moe as moe_k
+from fractus_jax.train import state as state_lib
+from fractus_jax.train.config import MeshConfig, TrainConfig
+
+def mesh_axes(mesh: MeshConfig) -> dict[str, int]:
+    return {"data": mesh.data, "fsdp": mesh.fsdp}
+
+
+def spec_of(cfg: TrainConfig) -> GrowthSpec:
+    """What the trainer's `grow_at` adds (cfg.grow)."""
+    return GrowthSpec(cfg.grow.add_layers, cfg.grow.add_experts, cfg.grow.siren_rank)
+
+
+def target_config(cfg: TrainConfig, growth: Union[GrowthSpec, EngineConfig]) -> TrainConfig:
+    """The grown run's TrainConfig (the model grown, the rest as it was), checked against
+    the run's mesh too (GrowthError)."""
+    return dataclasses.replace(cfg, model=grow_lib.target_engine(cfg.model, growth, mesh_axes(cfg.mesh)))
+
+
+def capacity_change(cfg: TrainConfig, new_cfg: TrainConfig) -> Optional[dict]:
+    """Per-expert capacity of one dispatch group, before and after (None without capacity)."""
+    if cfg.model.capacity_factor is None:
+        return None
+    rows = cfg.model.moe_group_rows or cfg.batch_size
+    T = rows * cfg.seq_len
+    cap = lambda m: moe_k.expert_capacity(T, m.n_experts, m.top_k, m.capacity_factor)  # noqa: E731
+    return {"group_tokens": T, "before": cap(cfg.model), "after": cap(new_cfg.model)}
+
+
+def grow_state_arrays(state, cfg: TrainConfig, new_cfg: TrainConfig, key, new_phases=None):
+    """The train state {params, opt_state, carry, step, skipped} grown to new_cfg's model.
+
+    Pure jnp (jit-able with static cfg, new_cfg); `new_phases` must be given when experts
+    grow (`grow.expert_phases_for`, computed outside on concrete hits).
+    """
+    params = grow_lib.grow_params(state["params"], cfg.model, new_cfg.model, key, new_phases)
+    template = state_lib.make_optimizer(new_cfg, params).init(params)
+    opt_state = grow_lib.grow_like(state["opt_state"], template, params)
+    carry = grow_lib.grow_carry(state["carry"], new_cfg.model)
+    return {**state, "params": params, "opt_state": opt_state, "carry": carry}
+
+
+def grow_train_state(state, cfg: TrainConfig, growth: Union[GrowthSpec, EngineConfig], *, key,
+                     hits=None, new_phases=None, mesh=None):
+    """(grown state, grown TrainConfig). Checks first (GrowthError); `hits` (L, E) place
+    the new experts (None: widest gaps); `new_phases` overrides the placement. On a device
+    mesh the grown arrays land on the grown run's shardings; without one, wherever jit
+    puts them (one device for single-device input)."""
+    new_cfg = target_config(cfg, growth)
+    if new_phases is None:
+        new_phases = grow_lib.expert_phases_for(state["params"], cfg.model, new_cfg.model, hits)
+    out = None if mesh is None else state_lib.train_state_shardings(new_cfg, mesh)
+    grow = jax.jit(grow_state_arrays, static_argnums=(1, 2), out_shardings=out)   # one program, not one per op
+    return grow(state, cfg, new_cfg, key, new_phases), new_cfg
+
+
+def growth_record(cfg: TrainConfig, new_cfg: TrainConfig, step: int, hits_source: Optional[str], **more) -> dict:
+    """The manifest's record of one growth (`growth` list), with `more` fields added."""
+    spec = GrowthSpec.between(cfg.model, new_cfg.model)
+    return {"at_step": step, **more,
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "add_layers": spec.add_layers, "add_experts": spec.add_experts, "siren_rank": new_cfg.model.siren_rank,
+            "from": {k: getattr(cfg.model, k) for k in grow_lib.GROWABLE},
+            "to": {k: getattr(new_cfg.model, k) for k in grow_lib.GROWABLE},
+            "hits_source": hits_source if spec.add_experts else None,
+            "capacity_per_expert": capacity_change(cfg, new_cfg)}
 
 
 def grown_model_for(cfg: TrainConfig, manifest: dict) -> Optional[TrainConfig]:
     """cfg with the manifest's grown model when its growth records lead from cfg's model
     shape to the manifest's; None when they do not explain the difference."""
-    from fractus_jax import grow as grow_lib
-
     records = manifest.get("growth") or []
     old_model = manifest.get("config", {}).get("model", {})
     if not records:
@@ -42,25 +112,7 @@ def already_grown(records: list, grow_at: int) -> bool:
 
 def grow_in_place(state, cfg: TrainConfig, mesh, step: int, hits=None):
     """(grown state on the mesh, grown TrainConfig, growth record). Raises GrowthError."""
-    from fractus_jax import grow as grow_lib
-    from fractus_jax.train import state as state_lib
-
-    spec = grow_lib.GrowthSpec(cfg.grow.add_layers, cfg.grow.add_experts, cfg.grow.siren_rank)
-    new_cfg = grow_lib.target_config(cfg, spec)
-    n_add = new_cfg.model.n_experts - cfg.model.n_experts
-    new_phases = None
-    if n_add:
-        old_phases = np.asarray(jax.device_get(state["params"]["blocks"]["moe"]["expert_phases"]))
-        new_phases = grow_lib.new_expert_phases(old_phases, n_add, hits)
-    shardings = state_lib.train_state_shardings(new_cfg, mesh)
-    grow = jax.jit(grow_lib.grow_state_arrays, static_argnums=(1, 2), out_shardings=shardings)
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step)
-    grown = grow(state, cfg, new_cfg, key, new_phases)
-    record = {"at_step": step, "in_place": True,
-              "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "add_layers": spec.add_layers, "add_experts": spec.add_experts, "siren_rank": new_cfg.model.siren_rank,
-              "from": {k: getattr(cfg.model, k) for k in grow_lib.GROWABLE},
-              "to": {k: getattr(new_cfg.model, k) for k in grow_lib.GROWABLE},
-              "hits_source": ("probe" if hits is not None else "none") if n_add else None,
-              "capacity_per_expert": grow_lib.capacity_change(cfg, new_cfg)}
+    grown, new_cfg = grow_train_state(state, cfg, spec_of(cfg), key=key, hits=hits, mesh=mesh)
+    record = growth_record(cfg, new_cfg, step, "probe" if hits is not None else "none", in_place=True)
     return grown, new_cfg, record

@@ -20,7 +20,10 @@ import jax
 import numpy as np
 
 from fractus_jax import sharding
+from fractus_jax.atom import corpus as corpus_lib
+from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
 from fractus_jax.config import WEIGHT_FIELDS
+from fractus_jax.grow import GrowthError
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import probes as probes_lib
@@ -79,11 +82,9 @@ def parse_deadline(text: str) -> Optional[float]:
 
 
 def open_training_corpus(cfg: TrainConfig, progress: bool = True):
-    from fractus_jax.atom import corpus as corpus_lib
-
     path = cfg.corpus
     if not path:
-        if cfg.model.vocab_size != 266:
+        if cfg.model.vocab_size != ATOM_VOCAB:
             raise TrainError("no corpus set: the embedded default corpus is an Atom (266-id) stream, "
                              f"this model's vocab is {cfg.model.vocab_size}; pass --set corpus=FILE")
         path = corpus_lib.build_default_corpus(cache_dir(), progress=progress)
@@ -107,11 +108,9 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
                          f"(data={cfg.mesh.data} x fsdp={cfg.mesh.fsdp})")
     cfg = resolve_for_mesh(cfg)
     if cfg.grow_at:
-        from fractus_jax import grow as grow_lib
         try:
-            grow_lib.target_config(cfg, grow_lib.GrowthSpec(cfg.grow.add_layers, cfg.grow.add_experts,
-                                                            cfg.grow.siren_rank))
-        except grow_lib.GrowthError as e:
+            growth_lib.target_config(cfg, growth_lib.spec_of(cfg))
+        except GrowthError as e:
             raise TrainError(f"grow_at={cfg.grow_at}: {e}") from None
     rows = cfg.model.moe_group_rows
     if cfg.model.capacity_factor is not None and (cfg.batch_size // n) % (rows or cfg.batch_size):
@@ -258,7 +257,7 @@ class _StopFlag:
 def _progress_bar(total, initial, enabled, desc=None):
     if not enabled:
         return None
-    from tqdm import tqdm
+    from tqdm import tqdm   # loaded only when a bar is shown
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr, desc=desc)
 
 
@@ -309,7 +308,7 @@ def _restore(plan: Plan, ckpt, rd: rundir.RunDir, abstract, log):
     rd.resumed(meta, rejected)
     ckpt.reload()
     if jax.process_count() > 1:   # every process sees the rejected steps gone before saving
-        from jax.experimental import multihost_utils
+        from jax.experimental import multihost_utils   # multi-process runs only
         multihost_utils.sync_global_devices("fractus_jax resume: run directory ready")
     pos = cfg.start_token if cfg.start_token is not None else int(meta["start_token_next"])
     return dataclasses.replace(plan, resume_step=step, start_pos=pos, manifest=meta), state, meta

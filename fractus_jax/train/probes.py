@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fractus_jax import model
+from fractus_jax.atom import decode, encode_open
+from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
 from fractus_jax.decode import decode_ids, speech_counts
 from fractus_jax.train.config import TrainConfig
 
@@ -79,8 +81,7 @@ class Prober:
         self._tf = jax.jit(_teacher_forced, static_argnums=2)
         self._ar = jax.jit(_ar_eval, static_argnums=2)
         self.prompt = None
-        if self.cfg.vocab_size == 266:
-            from fractus_jax.atom import encode_open
+        if self.cfg.vocab_size == ATOM_VOCAB:
             self.prompt = jnp.asarray(encode_open(SPEECH_PROMPT), jnp.int32)[None]
 
     def run(self, params, initial: bool = False) -> dict:
@@ -96,7 +97,6 @@ class Prober:
         if self.prompt is not None:
             ids, _, n_valid = jax.device_get(decode_ids(params, self.decode_cfg, self.prompt, SPEECH_STEPS))
             gen = ids[0, : int(n_valid[0])]
-            from fractus_jax.atom import decode
             unique_ids, unique_bytes = speech_counts(gen)
             out.update(speech_unique_ids=unique_ids, speech_unique_bytes=unique_bytes,
                        speech_text=decode(gen))

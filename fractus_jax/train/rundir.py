@@ -291,6 +291,11 @@ def _step_of(record: dict) -> float:
     return s if isinstance(s, (int, float)) else math.inf
 
 
+def _metrics_until(path, last_step: int, log: Log) -> str:
+    """The readable lines of a metrics log up to last_step (torn lines and later steps dropped)."""
+    return "".join(line + "\n" for line, record in read_metrics(path, log) if _step_of(record) <= last_step)
+
+
 def truncate_metrics(path, last_step: int, log: Log) -> None:
     """On resume: keep the lines up to the restored step (lines past it were logged after the
     last save), drop torn lines; rewritten atomically, only when something changes."""
@@ -298,18 +303,15 @@ def truncate_metrics(path, last_step: int, log: Log) -> None:
     if not path.exists():
         return
     raw = path.read_bytes()
-    good = read_metrics(path, log)
-    keep = [line for line, record in good if _step_of(record) <= last_step]
-    text = "".join(line + "\n" for line in keep)
+    text = _metrics_until(path, last_step, log)
     if text.encode() != raw:
         write_text_atomic(path, text)
 
 
 def copy_metrics(src, dst, last_step: int, log: Log) -> None:
     """The history of src up to last_step into dst (a grown run keeps its plots)."""
-    good = read_metrics(src, log)
     if Path(src).exists():
-        write_text_atomic(Path(dst), "".join(line + "\n" for line, r in good if _step_of(r) <= last_step))
+        write_text_atomic(Path(dst), _metrics_until(src, last_step, log))
 
 
 def set_aside_metrics(path, log: Log) -> Optional[Path]:

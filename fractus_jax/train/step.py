@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fractus_jax import model
+from fractus_jax import model, sharding
+from fractus_jax.atom.ids import FEAT_DIM
 from fractus_jax.kernels.loss import cross_entropy_terms, sample_from_hidden
 from fractus_jax.train.config import TrainConfig
 from fractus_jax.train.state import learning_rate, make_optimizer
@@ -147,8 +148,6 @@ def batch_shardings(cfg: TrainConfig, mesh) -> dict:
     (A, B, C+1), and "feats" (A, B, C, F) when the config feeds the atom features. The
     trainer, the benchmarks and the planner all take it from here, so that they compile
     the same program."""
-    from fractus_jax import sharding
-
     out = {"ids": sharding.batch_sharding(mesh, 3, batch_dim=1)}
     if cfg.feats and cfg.model.is_atom:
         out["feats"] = sharding.batch_sharding(mesh, 4, batch_dim=1)
@@ -157,8 +156,6 @@ def batch_shardings(cfg: TrainConfig, mesh) -> dict:
 
 def abstract_batch(cfg: TrainConfig, shardings: dict) -> dict:
     """ShapeDtypeStructs of a batch with `batch_shardings`' layout (ahead-of-time lowering)."""
-    from fractus_jax.atom.features import FEAT_DIM
-
     A, B, C = cfg.accum, cfg.batch_size, cfg.seq_len
     shapes = {"ids": ((A, B, C + 1), jnp.int32), "feats": ((A, B, C, FEAT_DIM), jnp.float32)}
     return {k: jax.ShapeDtypeStruct(*shapes[k], sharding=sh) for k, sh in shardings.items()}
