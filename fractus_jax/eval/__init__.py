@@ -37,6 +37,7 @@ from fractus_jax.kernels.loss import cross_entropy_terms
 
 FEATURE_CONTEXT = 64   # ids before a chunk that its packet features see (the trainer's)
 CE_BLOCK = 1024        # positions per cross-entropy block: the (B, C, V) logits are never whole
+ROW_AXIS = {"thought": 0, "S": 1, "z": 1, "phase": 1}   # the lane axis of each carried-state array
 
 
 class EvalError(ValueError):
@@ -141,10 +142,15 @@ def score_chunk(params, carry, ids_Bx1pC, feats, cfg: EngineConfig, block: int =
     """(nats with the carry, nats from a zero carry, the carry after the chunk) of one
     chunk (B, C + 1): inputs [:, :-1], targets [:, 1:]; float32 sums."""
     inputs, targets = ids_Bx1pC[:, :-1], ids_Bx1pC[:, 1:]
-    h, _, carry = model.forward_hidden(params, carry, inputs, cfg, feats)
-    fresh = model.init_state(cfg, inputs.shape[0])
-    h0, _, _ = model.forward_hidden(params, fresh, inputs, cfg, feats)
-    return _nats(params, h, targets, block), _nats(params, h0, targets, block), carry
+    B = inputs.shape[0]
+    # One forward of 2B rows: the B lanes with their carry, then the same B from a zero
+    # carry (rows are independent under exact routing; one program compiles in half the time).
+    fresh = model.init_state(cfg, B)
+    both = {k: jnp.concatenate([carry[k], fresh[k].astype(carry[k].dtype)], axis=ROW_AXIS[k]) for k in carry}
+    twice = lambda x: None if x is None else jnp.concatenate([x, x], axis=0)  # noqa: E731
+    h, _, after = model.forward_hidden(params, both, twice(inputs), cfg, twice(feats))
+    carry = {k: jax.lax.slice_in_dim(v, 0, B, axis=ROW_AXIS[k]) for k, v in after.items()}
+    return _nats(params, h[:B], targets, block), _nats(params, h[B:], targets, block), carry
 
 
 class Scorer:
