@@ -10,6 +10,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from fractus_jax import sharding
@@ -147,7 +148,7 @@ def trained_dir(corpus_file, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["bad_id", "missing_corpus", "start_token_0", "batch_change", "vocab_change",
-                                  "row_streams", "row_streams_on_a_mesh"])
+                                  "row_streams", "row_streams_on_a_mesh", "val_fraction_change"])
 def test_refusals_exit_nonzero_without_traceback_and_touch_nothing(case, corpus_file, trained_dir, tmp_path):
     workdir = tmp_path / "fresh"
     overrides = [f"corpus={corpus_file}", "max_steps=4"]
@@ -171,7 +172,10 @@ def test_refusals_exit_nonzero_without_traceback_and_touch_nothing(case, corpus_
         workdir = trained_dir
         extra = {"start_token_0": ("start_token=0", ["start_token=0"]),
                  "batch_change": ("batch_size=2", ["batch_size", "4", "2"]),
-                 "vocab_change": ("model.vocab_size=300", ["vocab", "266", "300"])}[case]
+                 "vocab_change": ("model.vocab_size=300", ["vocab", "266", "300"]),
+                 # a run from before held-out splits held nothing out: its lanes stay as they were
+                 "val_fraction_change": ("val_fraction=0.1", ["val_fraction was 0", "now 0.1",
+                                                              "keep val_fraction=0"])}[case]
         overrides.append(extra[0])
         expect = extra[1]
     before = _snapshot(workdir)
@@ -263,6 +267,7 @@ def test_config_overrides_and_aliases():
         cfg_lib.load_config("no_such_config")
     for name in ("tiny", "smoke", "atom_1b", "parent_1b", "bench_small"):
         assert isinstance(cfg_lib.load_config(name), cfg_lib.TrainConfig)
+        assert cfg_lib.load_config(name).conflicts() == [], name
 
 
 def test_lanes_targets_and_feature_context(corpus_file):
@@ -437,8 +442,8 @@ def test_progress_bar_says_compiling_and_its_eta_starts_after_the_first_step(mon
 
 def test_the_end_of_a_run_says_where_its_outputs_are(corpus_file, tmp_path):
     workdir = tmp_path / "run"
-    args = ["--config", "tiny", "--workdir", str(workdir), f"--set=corpus={corpus_file}", "--set=max_steps=2",
-            "--set=save_every=2"]
+    args = ["--config", "tiny", "--workdir", str(workdir), f"--set=corpus={corpus_file}", "--set=eval_every=2",
+            "--set=val_fraction=0.1", "--set=val_ids=256", "--set=max_steps=2", "--set=save_every=2"]
     out = subprocess.run([sys.executable, "-m", "fractus_jax.train", *args], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -453,6 +458,9 @@ def test_the_end_of_a_run_says_where_its_outputs_are(corpus_file, tmp_path):
     assert f"python -m fractus_jax.generate --ckpt {workdir}" in err
     assert f"python -m fractus_jax.convert export --ckpt {workdir}" in err
     assert "scripts/plot_metrics.py" in err and (ROOT / "scripts" / "plot_metrics.py").exists()
+    assert f"python -m fractus_jax.eval --ckpt {workdir}" in err
+    held = next(line for line in err.splitlines() if line.startswith("held-out ("))
+    assert "256 ids" in held and "val_bpb" in held and "from a zero carry" in held
     assert err.index("run directory:") > err.index("compiling the train step")   # at the end
     # stopped short of max_steps: the same command resumes
     summary = loop_summary(args[:-2] + ["--set=max_steps=5"], workdir)
@@ -504,3 +512,79 @@ def test_the_allocator_note_is_one_short_line(monkeypatch):
         note = hostmem.cpu_training_note("cpu")
         assert note.startswith("note: ") and "\n" not in note and len(note) <= 160, note
         assert "scripts/with_tcmalloc" in note and "docs/performance.md" in note
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["eval_every=2"], ["eval_every=2", "val_fraction", "val_corpus"]),
+    (["lr_schedule=cosine"], ["lr_schedule=cosine", "decay_steps"]),
+    (["lr_floor=0.1"], ["lr_floor=0.1", "above lr"]),
+    (["val_fraction=0.1", "val_corpus=held.u16"], ["one of val_fraction"]),
+    (["val_fraction=0.1", "eval_every=2", "val_ids=40"], ["held-out slice", "40 ids", "val_lanes=4"]),
+    (["val_corpus=nope.u16"], ["val_corpus", "nope.u16"]),
+])
+def test_fields_that_conflict_are_refused_before_anything_is_written(overrides, words, corpus_file, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(loop.TrainError) as e:
+        loop.prepare(tiny(corpus_file, *overrides), tmp_path / "run", progress=False)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_order_of_overrides_does_not_matter():
+    for order in (["eval_every=5", "val_fraction=0.01"], ["val_fraction=0.01", "eval_every=5"],
+                  ["lr_schedule=linear", "decay_steps=10"], ["decay_steps=10", "lr_schedule=linear"]):
+        cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), order)
+        assert cfg.conflicts() == []
+
+
+def test_the_constant_schedule_is_the_hand_written_warmup_bit_for_bit():
+    cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), ["lr=3e-4", "warmup_steps=800"])
+    steps = jnp.arange(1000, dtype=jnp.int32)
+    got = np.asarray(jax.jit(jax.vmap(lambda s: state_lib.learning_rate(cfg, s)))(steps))
+    # the expression every run before schedules trained with
+    want = np.asarray(jax.jit(jax.vmap(lambda s: 3e-4 * jnp.minimum(1.0, (s + 1) / 800)))(steps))
+    np.testing.assert_array_equal(got, want)
+    # and not optax's line, which rounds differently (the reason it stays hand-written)
+    optax_line = np.asarray(jax.vmap(optax.linear_schedule(3e-4 / 800, 3e-4, 799))(steps))
+    assert np.any(optax_line != got)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_decaying_schedules_warm_up_then_decay_to_the_floor(schedule):
+    cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [
+        f"lr_schedule={schedule}", "lr=1e-3", "lr_floor=1e-4", "warmup_steps=4", "decay_steps=10"])
+    lr = [float(state_lib.learning_rate(cfg, jnp.int32(s))) for s in range(20)]
+    np.testing.assert_allclose(lr[:4], [2.5e-4, 5e-4, 7.5e-4, 1e-3], rtol=1e-6)
+    assert lr[4] == pytest.approx(1e-3, rel=1e-6)                        # the decay starts at the peak
+    assert all(a > b for a, b in zip(lr[4:14], lr[5:15]))                # falls every step
+    np.testing.assert_allclose(lr[14:], 1e-4, rtol=1e-6)                 # then holds the floor
+    decay = (optax.cosine_decay_schedule(1e-3, 10, alpha=0.1) if schedule == "cosine"
+             else optax.linear_schedule(1e-3, 1e-4, 10))
+    np.testing.assert_allclose(lr[4:], [float(decay(k)) for k in range(16)], rtol=1e-6)
+
+
+def test_a_resumed_run_continues_the_same_learning_rate_curve(corpus_file, tmp_path):
+    cfg = tiny(corpus_file, "lr_schedule=cosine", "decay_steps=3", "lr_floor=3e-4", "max_steps=6", "save_every=3")
+    train(cfg, tmp_path / "straight")
+    logs = []
+    train(cfg_lib.apply_overrides(cfg, ["max_steps=3"]), tmp_path / "split")
+    plan = loop.prepare(cfg, tmp_path / "split", progress=False)
+    assert plan.resume_step == 3
+    loop.run(plan, progress=False, log=logs.append)
+    assert not any("schedule differs" in line for line in logs)
+
+    def lrs(d):
+        return [(m["step"], m["lr"]) for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+
+    straight, split = lrs(tmp_path / "straight"), lrs(tmp_path / "split")
+    assert [s for s, _ in straight] == [1, 2, 3, 4, 5, 6]
+    assert straight == split
+    values = [v for _, v in straight]
+    assert values[2] > values[3] > values[4] > values[5] == pytest.approx(3e-4, rel=1e-6)
+    # the saved config holds the schedule; a resume with another one says so
+    assert ckpt_lib.read_manifest(tmp_path / "split")["config"]["lr_schedule"] == "cosine"
+    note = loop.schedule_change_note(cfg.to_dict(), cfg_lib.apply_overrides(cfg, ["lr_floor=1e-4"]), 6)
+    assert "lr_floor 0.0003 -> 0.0001" in note and "step 6" in note
+    assert loop.schedule_change_note({"lr": cfg.lr, "warmup_steps": cfg.warmup_steps}, tiny(corpus_file), 6) is None

@@ -107,7 +107,11 @@ def torch_state_dict_order(cfg: EngineConfig) -> list[str]:
 
 
 def scheduled_lr(cfg: TrainConfig, step: int) -> float:
-    """The trainer's learning rate for its next update (state.learning_rate, in Python)."""
+    """The trainer's learning rate for its next update (state.learning_rate; the warmup and
+    the constant schedule in Python, a decay by its optax schedule)."""
+    if cfg.lr_schedule != "constant" and step >= cfg.warmup_steps:
+        from fractus_jax.train.state import learning_rate
+        return float(learning_rate(cfg, step))
     return cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
 
 

@@ -63,7 +63,9 @@ def probe_chunk(cfg: TrainConfig, meta: dict, rows: int, corpus_path=None, log: 
             want = (meta.get("corpus") or {}).get("n_ids")
             if want is not None and corpus_path is None and want != corpus.n_ids:
                 raise CorpusError(f"{path} has {corpus.n_ids} ids, the run's corpus had {want}")
-            reader = LaneReader(corpus.ids, cfg.batch_size, cfg.seq_len, cfg.accum)
+            # the lanes cover the part of the corpus that is not held out (train_ids)
+            n = int(meta.get("train_ids", corpus.n_ids - int(corpus.n_ids * cfg.val_fraction)))
+            reader = LaneReader(corpus.ids[:n], cfg.batch_size, cfg.seq_len, cfg.accum)
             chunks = reader.read(int(meta.get("start_token_next", 0)))[0]
             return np.asarray(chunks[0, :rows, :-1], np.int32), f"next batch of {path}"
         except (CorpusError, DataError, OSError) as e:

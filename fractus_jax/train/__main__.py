@@ -66,9 +66,29 @@ def main(argv=None) -> int:
     if last and lead:
         print(f"step {last['step']}: ce_tf {last['ce_tf']:.4f} ema_tf {last['ema_tf']:.4f} "
               f"{last['ids_per_s_tf']:.0f} ids/s", file=sys.stderr)
+        line = held_out_line(plan, last)
+        if line:
+            print(line, file=sys.stderr)
     if lead:
         print(outputs_summary(args, argv, plan.cfg, checkpoint.read_manifest(args.workdir)), file=sys.stderr)
     return 0
+
+
+def held_out_line(plan, last: dict):
+    """The held-out score of the last step, where it was evaluated."""
+    if "val_ce" not in last:
+        return None
+    cfg = plan.cfg
+    n = min(cfg.val_ids, plan.val.n_ids)
+    where = (str(plan.val.path) if cfg.val_corpus else
+             f"the {plan.val.n_ids} ids held out at the end of {Path(plan.corpus.path).name}")
+    line = f"held-out ({n} ids of {where}, {cfg.val_lanes} lanes): val_ce {last['val_ce']:.4f}"
+    if last.get("val_bpb") is not None:
+        line += f" val_bpb {last['val_bpb']:.4f} bits/byte"
+    line += f"; from a zero carry at every chunk: val_ce {last['val_ce_no_carry']:.4f}"
+    if last.get("val_bpb_no_carry") is not None:
+        line += f" val_bpb {last['val_bpb_no_carry']:.4f}"
+    return line
 
 
 def _script(name: str) -> str:
@@ -100,6 +120,9 @@ def outputs_summary(args, argv, cfg, manifest) -> str:
         lines.append(f"  resume (the same command): {shlex.join(['python', '-m', 'fractus_jax.train', *argv])}")
     if manifest is not None:
         lines.append(f"  generate: python -m fractus_jax.generate --ckpt {q(str(workdir))} --prompt 'def main('")
+        held = cfg.val_fraction or cfg.val_corpus
+        lines.append(f"  evaluate: python -m fractus_jax.eval --ckpt {q(str(workdir))}"
+                     + ("" if held else " --corpus HELD_OUT.u16"))
         lines.append(f"  export: python -m fractus_jax.convert export --ckpt {q(str(workdir))} "
                      f"--out {q(str(workdir / 'model.pt'))}" + _needs("torch", "torch"))
     lines.append(f"  plot: python {q(_script('plot_metrics.py'))} {q(str(workdir))}" + _needs("matplotlib", "plot"))

@@ -23,6 +23,9 @@ class ConfigError(ValueError):
     """A user mistake in a config name, file or override."""
 
 
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     data: int = 1
@@ -46,6 +49,9 @@ class TrainConfig:
     optimizer: str = "adamw"          # "adamw" or "sgd"
     lr: float = 3e-4
     warmup_steps: int = 800
+    lr_schedule: str = "constant"     # after warmup: "constant", or "cosine" / "linear" decay to lr_floor
+    lr_floor: float = 0.0             # the decay's end value (an absolute lr, <= lr)
+    decay_steps: int = 0              # steps from the end of warmup to lr_floor (needed by cosine/linear)
     momentum: float = 0.9             # SGD
     b1: float = 0.9                   # AdamW
     b2: float = 0.999
@@ -62,6 +68,11 @@ class TrainConfig:
     ss_ramp: int = 64                 # positions over which ss_prob goes from p0 to p1
     ss_temperature: float = 0.9
     corpus: str = ""                  # empty: the embedded default corpus (standard library text)
+    val_fraction: float = 0.0         # held out from the END of the corpus: the lanes never read it
+    val_corpus: str = ""              # or a held-out id file of its own
+    eval_every: int = 0               # val_ce / val_bpb every this many steps and at the last (0: off)
+    val_ids: int = 4096               # the fixed held-out slice: the first val_ids ids of the held-out part
+    val_lanes: int = 4                # ... read in this many lanes, chunks of seq_len, the carry flowing
     start_token: Optional[int] = None  # offset inside each lane; None: 0 fresh, the checkpoint's on resume
     feats: bool = False               # atom packet features (fractus_jax.atom.features) into the engine
     seed: int = 0
@@ -91,6 +102,10 @@ class TrainConfig:
             (self.max_steps >= 0, f"max_steps must be >= 0, got {self.max_steps}"),
             (positive(self.lr), f"lr must be > 0 and finite, got {self.lr}"),
             (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
+            (self.lr_schedule in LR_SCHEDULES,
+             f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"),
+            (non_negative(self.lr_floor), f"lr_floor must be >= 0 and finite, got {self.lr_floor}"),
+            (self.decay_steps >= 0, f"decay_steps must be >= 0, got {self.decay_steps}"),
             (0.0 <= self.momentum < 1.0, f"momentum must be in [0, 1), got {self.momentum}"),
             (0.0 <= self.b1 < 1.0, f"b1 must be in [0, 1), got {self.b1}"),
             (0.0 <= self.b2 < 1.0, f"b2 must be in [0, 1), got {self.b2}"),
@@ -113,12 +128,33 @@ class TrainConfig:
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}"),
             (self.probe_every >= 0, f"probe_every must be >= 0 (0: off), got {self.probe_every}"),
             (self.grow_at >= 0, f"grow_at must be >= 0 (0: off), got {self.grow_at}"),
+            (0.0 <= self.val_fraction < 1.0, f"val_fraction must be in [0, 1), got {self.val_fraction}"),
+            (self.eval_every >= 0, f"eval_every must be >= 0 (0: off), got {self.eval_every}"),
+            (self.val_ids >= 2, f"val_ids must be >= 2, got {self.val_ids}"),
+            (self.val_lanes >= 1, f"val_lanes must be >= 1, got {self.val_lanes}"),
             (self.start_token is None or self.start_token >= 0, f"start_token must be >= 0, got {self.start_token}"),
             (self.mesh.data >= 1 and self.mesh.fsdp >= 1, f"mesh sizes must be >= 1, got {self.mesh}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+
+    def conflicts(self) -> list[str]:
+        """What is wrong between fields (checked once every override is applied: a check
+        in __post_init__ would make the order of --set matter)."""
+        out = []
+        if self.lr_schedule != "constant" and self.decay_steps < 1:
+            out.append(f"lr_schedule={self.lr_schedule} needs decay_steps >= 1 (the steps from the end of "
+                       "warmup to lr_floor)")
+        if self.lr_floor > self.lr:
+            out.append(f"lr_floor={self.lr_floor:g} is above lr={self.lr:g}")
+        if self.val_fraction and self.val_corpus:
+            out.append(f"set one of val_fraction ({self.val_fraction:g}) and val_corpus ({self.val_corpus!r}), "
+                       "not both")
+        if self.eval_every and not (self.val_fraction or self.val_corpus):
+            out.append(f"eval_every={self.eval_every} scores a held-out part: set val_fraction (held out from "
+                       "the end of the corpus) or val_corpus=FILE, or eval_every=0")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

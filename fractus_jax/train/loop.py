@@ -50,6 +50,33 @@ class StalledError(TrainError):
 
 
 @dataclasses.dataclass
+class CorpusPart:
+    """Ids [start, start + n_ids) of a corpus: what the lanes read, or the held-out part."""
+    corpus: object
+    start: int
+    n_ids: int
+
+    @property
+    def ids(self):
+        return self.corpus.ids[self.start:self.start + self.n_ids]
+
+    @property
+    def path(self):
+        return self.corpus.path
+
+    def describe(self) -> dict:
+        return {"path": str(Path(self.corpus.path).resolve()), "start": self.start, "n_ids": self.n_ids}
+
+
+def split_corpus(corpus, val_fraction: float) -> tuple[CorpusPart, Optional[CorpusPart]]:
+    """(the part the lanes read, the part held out from its end or None): the last
+    floor(val_fraction · n_ids) ids are held out."""
+    n_val = int(corpus.n_ids * val_fraction)
+    train = CorpusPart(corpus, 0, corpus.n_ids - n_val)
+    return train, (CorpusPart(corpus, train.n_ids, n_val) if n_val else None)
+
+
+@dataclasses.dataclass
 class Plan:
     cfg: TrainConfig
     workdir: Path
@@ -59,6 +86,12 @@ class Plan:
     manifest: Optional[dict]   # the meta of the step to resume from (the manifest's facts)
     rejected: list = dataclasses.field(default_factory=list)   # (step, why) of newer steps that failed
     note: Optional[str] = None   # about the step to resume from (no checksums to check)
+    train: Optional[CorpusPart] = None   # what the lanes read (the whole corpus without val_fraction)
+    val: Optional[CorpusPart] = None     # the held-out part (val_fraction's tail or val_corpus)
+
+    def __post_init__(self):
+        if self.train is None:
+            self.train = CorpusPart(self.corpus, 0, self.corpus.n_ids)
 
 
 def cache_dir() -> Path:
@@ -125,6 +158,8 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
         raise TrainError(f"batch_size {cfg.batch_size} does not split into model.row_streams={streams} "
                          f"streams of whole MoE dispatch groups (model.moe_group_rows={rows}; "
                          "0 makes the batch one group)")
+    for problem in cfg.conflicts():
+        raise TrainError(problem)
     if workdir.exists() and not workdir.is_dir():
         raise TrainError(f"workdir {workdir} exists and is not a directory")
     manifest, rejected, note = _resume_point(workdir)
@@ -132,18 +167,53 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
         cfg = growth_lib.grown_model_for(cfg, manifest) or cfg
         _check_resume(cfg, workdir, manifest)
     corpus = open_training_corpus(cfg, progress)
+    train, val = split_corpus(corpus, cfg.val_fraction)
+    source = str(corpus.path) if val is None else f"the first {train.n_ids} ids (1 - val_fraction) of {corpus.path}"
     try:
-        LaneReader(corpus.ids, cfg.batch_size, cfg.seq_len, cfg.accum, source=str(corpus.path))
+        LaneReader(train.ids, cfg.batch_size, cfg.seq_len, cfg.accum, source=source)
     except DataError as e:
         raise TrainError(str(e)) from None
+    if cfg.val_corpus:
+        val = open_val_corpus(cfg)
+    if cfg.eval_every:
+        check_val_slice(cfg, val)
     if manifest is None:
-        return Plan(cfg, workdir, corpus, None, cfg.start_token or 0, None)
+        return Plan(cfg, workdir, corpus, None, cfg.start_token or 0, None, train=train, val=val)
 
     if manifest.get("corpus", {}).get("n_ids") not in (None, corpus.n_ids):
         raise TrainError(f"{workdir}: the checkpoint's corpus had {manifest['corpus']['n_ids']} ids, "
                          f"{corpus.path} has {corpus.n_ids}; the lane offsets would not mean the same text")
     pos = cfg.start_token if cfg.start_token is not None else int(manifest["start_token_next"])
-    return Plan(cfg, workdir, corpus, int(manifest["step"]), pos, manifest, rejected, note)
+    return Plan(cfg, workdir, corpus, int(manifest["step"]), pos, manifest, rejected, note, train=train, val=val)
+
+
+def open_val_corpus(cfg: TrainConfig) -> CorpusPart:
+    from fractus_jax.atom import corpus as corpus_lib
+
+    try:
+        corpus = corpus_lib.open_corpus(cfg.val_corpus)
+        corpus.validate(vocab=cfg.model.vocab_size)
+    except corpus_lib.CorpusError as e:
+        raise TrainError(f"val_corpus: {e}") from None
+    return CorpusPart(corpus, 0, corpus.n_ids)
+
+
+def val_slice(cfg: TrainConfig, val: CorpusPart):
+    """The fixed held-out ids the trainer scores: the first val_ids of the held-out part."""
+    return val.ids[:cfg.val_ids]
+
+
+def check_val_slice(cfg: TrainConfig, val: Optional[CorpusPart]) -> None:
+    from fractus_jax.eval import EvalError, lane_layout
+
+    if val is None:   # val_fraction so small that no id is held out
+        raise TrainError(f"val_fraction={cfg.val_fraction:g} of {cfg.corpus or 'the corpus'} holds out no id")
+    n = min(cfg.val_ids, val.n_ids)
+    try:
+        lane_layout(n, cfg.val_lanes, cfg.seq_len)
+    except EvalError as e:
+        raise TrainError(f"the held-out slice ({n} ids of {val.path}, val_lanes={cfg.val_lanes}, "
+                         f"chunks of seq_len={cfg.seq_len}): {e}") from None
 
 
 def _resume_point(workdir: Path):
@@ -185,6 +255,13 @@ def _check_resume(cfg: TrainConfig, workdir: Path, manifest: dict) -> None:
         if manifest.get(key, old.get(key)) != getattr(cfg, key):
             raise TrainError(f"{workdir}: {key} was {manifest.get(key, old.get(key))} and is now "
                              f"{getattr(cfg, key)}; the lanes would change (keep {key}={manifest.get(key)})")
+    # A run from before held-out splits records none: it held out nothing.
+    was = float(old.get("val_fraction", 0.0))
+    if was != cfg.val_fraction:
+        before = " (a run from before held-out splits)" if "val_fraction" not in old else ""
+        raise TrainError(f"{workdir}: val_fraction was {was:g}{before} and is now {cfg.val_fraction:g}; the lanes "
+                         f"would change (keep val_fraction={was:g}, with eval_every=0 or a held-out "
+                         "file to score: val_corpus=FILE)")
     if cfg.start_token == 0:
         raise TrainError(f"{workdir} has a checkpoint at step {manifest['step']}: start_token=0 would restart "
                          f"the data; drop it to resume at {manifest['start_token_next']}")
@@ -252,6 +329,41 @@ class _StopFlag:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+SCHEDULE_FIELDS = ("lr", "warmup_steps", "lr_schedule", "lr_floor", "decay_steps")
+
+
+def schedule_change_note(old_config: dict, cfg: TrainConfig, step: int) -> Optional[str]:
+    """A note when the learning-rate schedule differs from the checkpoint's: the run goes on
+    from its step on the new curve (the same fields continue the same curve exactly)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in SCHEDULE_FIELDS}
+    changed = [f"{k} {old_config.get(k, defaults[k])} -> {getattr(cfg, k)}" for k in SCHEDULE_FIELDS
+               if old_config.get(k, defaults[k]) != getattr(cfg, k)]
+    if not changed:
+        return None
+    return (f"note: the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}); "
+            f"from step {step} the run follows the new one")
+
+
+class HeldOut:
+    """The trainer's held-out score: the fixed slice (`val_slice`) in val_lanes lanes,
+    chunks of seq_len, the carry flowing from a zero start, scored by fractus_jax.eval
+    (exact routing), so `python -m fractus_jax.eval --ids val_ids --lanes val_lanes`
+    on a checkpoint gives the value logged at its step."""
+
+    def __init__(self, cfg: TrainConfig, val: CorpusPart):
+        from fractus_jax.eval import Scorer
+
+        self.ids = np.asarray(val_slice(cfg, val), np.int32)
+        self.scorer = Scorer(cfg.model, cfg.val_lanes, cfg.seq_len, feats=cfg.feats)
+
+    def run(self, params) -> dict:
+        s = self.scorer.score(params, self.ids)
+        out = {"val_ce": s.ce, "val_ce_no_carry": s.ce_no_carry}
+        if s.n_bytes:
+            out.update(val_bpb=s.bpb, val_bpb_no_carry=s.bpb_no_carry)
+        return out
 
 
 def _progress_bar(total, initial, enabled, desc=None):
@@ -329,6 +441,9 @@ def _train(plan: Plan, rd: rundir.RunDir, progress: bool, log) -> dict:
         ema.update({k: meta.get(k) for k in ema})
         growth = list(meta.get("growth") or growth)
         log(f"resumed {workdir} at step {plan.resume_step}, lane offset {plan.start_pos}")
+        note = schedule_change_note(meta.get("config") or {}, cfg, plan.resume_step)
+        if note:
+            log(note)
     else:
         rd.start_metrics(None)
         state, _ = state_lib.create_train_state(cfg, mesh, jax.random.PRNGKey(cfg.seed))
@@ -336,16 +451,17 @@ def _train(plan: Plan, rd: rundir.RunDir, progress: bool, log) -> dict:
             params, _ = ckpt_lib.load_for_inference(cfg.init_from)
             state = state_lib.with_params(cfg, state, jax.device_put(params, shardings["params"]))
             log(f"weights from {cfg.init_from}; fresh optimizer moments (warmup advised)")
-    reader = LaneReader(plan.corpus.ids, cfg.batch_size, cfg.seq_len, cfg.accum)
+    reader = LaneReader(plan.train.ids, cfg.batch_size, cfg.seq_len, cfg.accum)
     batch_shard = batch_shardings(cfg, mesh)
 
     def build(cfg):
-        """The compiled step and the prober of a config (again after a growth)."""
+        """The compiled step, the prober and the held-out scorer of a config (again after a growth)."""
         shardings = state_lib.train_state_shardings(cfg, mesh)
         return (jit_train_step(cfg, shardings, batch_shard),
-                probes_lib.Prober(cfg, plan.corpus) if cfg.probe_every else None)
+                probes_lib.Prober(cfg, plan.train) if cfg.probe_every else None,
+                HeldOut(cfg, plan.val) if cfg.eval_every else None)
 
-    step_fn, prober = build(cfg)
+    step_fn, prober, held_out = build(cfg)
     last_hits = None   # expert hits of the latest probe: where grown experts go
 
     step = int(plan.resume_step or 0)
@@ -367,9 +483,12 @@ def _train(plan: Plan, rd: rundir.RunDir, progress: bool, log) -> dict:
     last = {}
 
     def meta_now(step_done, pos_next):
-        return {"step": step_done, "start_token_next": pos_next, "batch_size": cfg.batch_size,
+        meta = {"step": step_done, "start_token_next": pos_next, "batch_size": cfg.batch_size,
                 "seq_len": cfg.seq_len, "accum": cfg.accum, "corpus": plan.corpus.identity(),
-                "config": cfg.to_dict(), "growth": growth, **ema}
+                "train_ids": plan.train.n_ids, "config": cfg.to_dict(), "growth": growth, **ema}
+        if plan.val is not None:
+            meta["held_out"] = plan.val.describe()
+        return meta
 
     def save(step_done, pos_next, final=False):
         """Periodic saves write in the background; the last one (end, signal, deadline) blocks."""
@@ -434,7 +553,7 @@ def _train(plan: Plan, rd: rundir.RunDir, progress: bool, log) -> dict:
                     save(step, pos, final=True)   # the run as it was, before growing
                 state, cfg, grow_record = growth_lib.grow_in_place(state, cfg, mesh, step, last_hits)
                 growth.append(grow_record)
-                step_fn, prober = build(cfg)
+                step_fn, prober, held_out = build(cfg)
                 compiling = True
                 if bar is not None:
                     bar.set_description_str("compiling the grown step")
@@ -452,19 +571,22 @@ def _train(plan: Plan, rd: rundir.RunDir, progress: bool, log) -> dict:
             pending = (step, device_metrics, time.time())
             ckpt.poll()
             probe_now = prober is not None and step % cfg.probe_every == 0
+            eval_now = held_out is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps)
             save_now = step % cfg.save_every == 0 or (
                 cfg.save_every_minutes > 0 and time.time() - last_save >= 60 * cfg.save_every_minutes)
             if stop.signal:
                 stop_reason = f"{stop.signal} received"
             elif deadline is not None and time.time() + 2 * (step_seconds or 0) + 1.5 * ckpt.save_seconds() >= deadline:
                 stop_reason = "deadline near"
-            if probe_now or save_now or stop_reason or step == cfg.max_steps:
+            if probe_now or eval_now or save_now or stop_reason or step == cfg.max_steps:
                 m = record(*pending, t_prev)
                 t_prev, pending = time.time(), None
                 if probe_now:
                     m.update(prober.run(state["params"]))
                     last_hits = np.asarray(m["expert_hits"])
-                if m["step"] % cfg.log_every == 0 or probe_now or stop_reason or step == cfg.max_steps:
+                if eval_now:
+                    m.update(held_out.run(state["params"]))
+                if m["step"] % cfg.log_every == 0 or probe_now or eval_now or stop_reason or step == cfg.max_steps:
                     write_metrics(m)
                 if save_now or stop_reason or step == cfg.max_steps:
                     save(step, pos, final=bool(stop_reason) or step == cfg.max_steps)

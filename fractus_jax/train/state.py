@@ -15,9 +15,33 @@ from fractus_jax import model, sharding
 from fractus_jax.train.config import TrainConfig
 
 
-def learning_rate(cfg: TrainConfig, step):
-    """Linear warmup to cfg.lr over warmup_steps trainer steps, then constant."""
+def _warmup(cfg: TrainConfig, step):
     return cfg.lr * jnp.minimum(1.0, (step + 1) / max(1, cfg.warmup_steps))
+
+
+def lr_schedule(cfg: TrainConfig):
+    """The learning rate as a function of the trainer's step (the one the checkpoint stores,
+    so a resumed run continues the same curve).
+
+    Linear warmup to cfg.lr over warmup_steps steps, written by hand (see docs/training.md:
+    optax.linear_schedule rounds differently), then "constant" (that expression alone,
+    bit for bit the schedule of runs before schedules), or optax's "cosine" / "linear"
+    decay from lr to lr_floor over decay_steps steps, joined at the end of warmup, and
+    lr_floor after it."""
+    if cfg.lr_schedule == "constant":
+        return functools.partial(_warmup, cfg)
+    if cfg.lr_schedule == "cosine":
+        decay = optax.cosine_decay_schedule(cfg.lr, cfg.decay_steps, alpha=cfg.lr_floor / cfg.lr)
+    elif cfg.lr_schedule == "linear":
+        decay = optax.linear_schedule(cfg.lr, cfg.lr_floor, cfg.decay_steps)
+    else:
+        raise ValueError(f"unknown lr_schedule {cfg.lr_schedule!r}")
+    return optax.join_schedules([functools.partial(_warmup, cfg), decay], [cfg.warmup_steps])
+
+
+def learning_rate(cfg: TrainConfig, step):
+    """The step's learning rate (`lr_schedule`)."""
+    return lr_schedule(cfg)(step)
 
 
 def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:

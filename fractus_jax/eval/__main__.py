@@ -1,0 +1,121 @@
+"""The held-out score of a run: CE per id and bits per byte (docs/training.md).
+
+    python -m fractus_jax.eval --ckpt RUN_DIR|RUN_DIR/checkpoints/STEP [--step N]
+        [--corpus FILE] [--ids N] [--lanes B] [--chunk C] [--json] [--no-progress]
+
+--corpus is an id file like the trainer's (.u16, .i16, .npy, int32 .bin); make one from
+text the run did not train on with `python -m fractus_jax.atom build --src TEXT --out
+FILE.u16`. Without --corpus, the part the run held out (its val_fraction's end of the
+corpus, or its val_corpus). The ids are cut into B lanes (default: the run's batch_size)
+read in chunks of C (default: its seq_len), the carry streaming from chunk to chunk as
+in training; each chunk is also scored from a zero carry (ce_no_carry).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+BUILD_HINT = "make one from text with: python -m fractus_jax.atom build --src TEXT_FILE --out HELD_OUT.u16"
+
+
+class _UserError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fractus_jax.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP",
+                   help="a run directory (its newest good checkpoint) or DIR/checkpoints/<step>")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
+    p.add_argument("--corpus", default=None, metavar="FILE",
+                   help="held-out id file (default: the part the run held out)")
+    p.add_argument("--ids", type=int, default=None, metavar="N", help="score the first N ids (default: all)")
+    p.add_argument("--lanes", type=int, default=None, metavar="B", help="lanes (default: the run's batch_size)")
+    p.add_argument("--chunk", type=int, default=None, metavar="C", help="chunk length (default: the run's seq_len)")
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of the summary")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def held_out_ids(run_dir: Path, meta: dict, cfg, corpus: Optional[str]):
+    """(ids, a description) of what to score: --corpus, else the run's held-out part."""
+    from fractus_jax.atom import corpus as corpus_lib
+
+    vocab = cfg.model.vocab_size
+    if corpus:
+        c = corpus_lib.open_corpus(corpus)
+        c.validate(vocab=vocab)
+        return c.ids, str(c.path)
+    if cfg.val_corpus:
+        c = corpus_lib.open_corpus(cfg.val_corpus)
+        c.validate(vocab=vocab)
+        return c.ids, f"{c.path} (the run's val_corpus)"
+    if cfg.val_fraction:
+        path = (meta.get("corpus") or {}).get("path") or cfg.corpus
+        if not path:
+            raise _UserError(f"{run_dir}: the run records no corpus path; pass --corpus FILE")
+        c = corpus_lib.open_corpus(path)
+        expected = (meta.get("corpus") or {}).get("n_ids")
+        if expected is not None and expected != c.n_ids:
+            raise _UserError(f"{c.path} has {c.n_ids} ids, the run's corpus had {expected}: its held-out end "
+                             "is not the same text; pass --corpus FILE")
+        start = int(meta.get("train_ids", c.n_ids - int(c.n_ids * cfg.val_fraction)))
+        ids = c.ids[start:]
+        c.validate(vocab=vocab)
+        return ids, f"the {len(ids)} ids held out at the end of {c.path} (val_fraction={cfg.val_fraction:g})"
+    raise _UserError(f"{run_dir}: the run held out no part of its corpus (no val_fraction, no val_corpus): "
+                     f"pass --corpus FILE, an id file it did not train on ({BUILD_HINT})")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from fractus_jax.atom.corpus import CorpusError
+    from fractus_jax.eval import EvalError, Scorer
+    from fractus_jax.train import checkpoint as ckpt_lib
+
+    def fail(msg):
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+
+    if not os.path.exists(args.ckpt):
+        return fail(f"checkpoint directory not found: {args.ckpt}")
+    for name in ("ids", "lanes", "chunk"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return fail(f"--{name} must be >= 1, got {value}")
+    try:
+        run_dir, named = ckpt_lib.resolve_checkpoint(args.ckpt)
+        if named is not None and args.step is not None and args.step != named:
+            raise _UserError(f"{args.ckpt} is the checkpoint of step {named}, and step {args.step} was asked for")
+        step, meta, cfg = ckpt_lib.read_step(run_dir, named if args.step is None else args.step)
+        ids, source = held_out_ids(run_dir, meta, cfg, args.corpus)
+        if args.ids is not None:
+            ids = ids[:args.ids]
+        lanes = args.lanes or cfg.batch_size
+        chunk = args.chunk or cfg.seq_len
+        scorer = Scorer(cfg.model, lanes, chunk, feats=cfg.feats)
+        scorer.layout(len(ids))   # too few ids: refused before any array is read
+        state, _ = ckpt_lib.restore_one_device(run_dir, step, cfg, items=("params",))
+        result = scorer.score(state["params"], ids, progress=not args.no_progress, desc=f"step {step}")
+    except (_UserError, EvalError, CorpusError, ckpt_lib.CheckpointError, OSError) as e:
+        return fail(str(e) or type(e).__name__)
+    out = {**result.to_json(), "step": step, "ckpt": str(run_dir), "corpus": source}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    bpb = lambda v: "" if v is None else f", {v:.4f} bits/byte"  # noqa: E731
+    print(f"{run_dir} step {step} on {source}")
+    print(f"  {result.n_ids} ids ({result.lanes} lanes x {result.n_chunks} chunks of {result.chunk})"
+          + ("" if result.n_bytes is None else f", {result.n_bytes} bytes"))
+    print(f"  carry streamed across chunks: ce {result.ce:.4f} nats/id{bpb(result.bpb)}")
+    print(f"  carry reset at every chunk:   ce {result.ce_no_carry:.4f} nats/id{bpb(result.bpb_no_carry)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
