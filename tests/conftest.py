@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices (for the sharding tests) before JAX initialises, and a
-persistent compilation cache so the same program is compiled once per machine."""
+persistent compilation cache for the CLI subprocesses, so that each of their programs is
+compiled once per machine."""
 import os
 import tempfile
 
@@ -8,6 +9,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Subprocesses (CLI tests) inherit these through the environment.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fractus_jax_test_xla_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+
+import jax  # noqa: E402
+
+# The long test process itself neither reads nor writes that cache: serialising a compiled
+# CPU executable into it crashed jaxlib 0.10.2 (SIGSEGV or SIGABRT inside
+# put_executable_and_time) late in full runs, taking the whole run down. Programs compiled
+# here are reused in-process anyway; the short CLI subprocesses keep the cache.
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 import pytest  # noqa: E402
