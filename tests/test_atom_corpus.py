@@ -273,7 +273,7 @@ def test_cli_commands(tmp_path, capsys):
     assert capsys.readouterr().out.split()[-4:] == ["101", "102", "264", "258"]
     bad = tmp_path / "bad.u16"
     np.array([257, 300], "<u2").tofile(bad)
-    assert main(["validate", str(bad)]) == 1
+    assert main(["validate", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "id 300 at offset 1" in err and str(bad) in err
 
