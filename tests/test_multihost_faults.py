@@ -130,7 +130,7 @@ def test_clocks_apart_both_save_the_same_steps(case, corpus_file, tmp_path):
         errs = launch(run, corpus_file, ["max_steps=4", "save_every=1000", "save_every_minutes=1",
                                          f"deadline={deadline}"], {1: {"offset": HOUR, "rate": 1000.0}})
         assert saved_steps(run) == [4]
-        assert not any("deadline" in e for e in errs)
+        assert not any("deadline near" in e or "stopped at" in e for e in errs)
     elif case == "process_0_ahead":
         # Process 0's deadline is past: both stop at step 1 and save it; process 1's clock
         # alone would train on.
