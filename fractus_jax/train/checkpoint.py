@@ -233,9 +233,15 @@ class RunCheckpointer:
         background save is still being written (a save waits for it first)."""
         return self.commit_seconds * (1 if self._pending is None else 2)
 
+    def committed(self) -> bool:
+        """A background save is being finished by nobody and has committed (this process's view)."""
+        return self._pending is not None and not self.manager.is_saving_in_progress()
+
     def poll(self) -> None:
-        """Finish a background save that has committed (checksums, retention, manifest)."""
-        if self._pending is not None and not self.manager.is_saving_in_progress():
+        """Finish a background save that has committed (checksums, retention, manifest).
+        Retention deletes steps collectively: a multi-process run finishes a save when
+        process 0 sees it committed (`policy`), not by each process's own view."""
+        if self.committed():
             self.wait()
 
     def wait(self) -> None:

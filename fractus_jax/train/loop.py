@@ -26,6 +26,7 @@ from fractus_jax.config import WEIGHT_FIELDS
 from fractus_jax.grow import GrowthError
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
+from fractus_jax.train import policy as policy_lib
 from fractus_jax.train import probes as probes_lib
 from fractus_jax.train import rundir
 from fractus_jax.train import state as state_lib
@@ -474,7 +475,7 @@ def _train(plan: Plan, rd: rundir.RunDir, progress: bool, log) -> dict:
     bar = _progress_bar(cfg.max_steps, step, progress and lead, compile_note if step < cfg.max_steps else None)
     if bar is None and lead and step < cfg.max_steps:
         log(f"{compile_note}...")
-    last_save = time.time()
+    policy = policy_lib.StopSavePolicy(cfg.save_every_minutes, deadline, policy_lib.exchange_for_run())
     step_seconds = None
     # The first step of a program includes its compilation (minutes at 1B): it would inflate
     # the step time that the deadline margin reserves, so the estimate starts after it.
@@ -492,9 +493,8 @@ def _train(plan: Plan, rd: rundir.RunDir, progress: bool, log) -> dict:
 
     def save(step_done, pos_next, final=False):
         """Periodic saves write in the background; the last one (end, signal, deadline) blocks."""
-        nonlocal last_save
         ckpt.save(state, meta_now(step_done, pos_next), block=final)
-        last_save = time.time()
+        policy.saved()
 
     def record(done_step, device_metrics, t_dispatch, t_prev):
         nonlocal step_seconds, last, compiling
@@ -569,15 +569,12 @@ def _train(plan: Plan, rd: rundir.RunDir, progress: bool, log) -> dict:
                 if m["step"] % cfg.log_every == 0:
                     write_metrics(m)
             pending = (step, device_metrics, time.time())
-            ckpt.poll()
+            # Time, signals and the save in flight: decided by process 0, the same everywhere.
+            agreed = policy.at_step(step, stop.signal, ckpt, step_seconds)
             probe_now = prober is not None and step % cfg.probe_every == 0
             eval_now = held_out is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps)
-            save_now = step % cfg.save_every == 0 or (
-                cfg.save_every_minutes > 0 and time.time() - last_save >= 60 * cfg.save_every_minutes)
-            if stop.signal:
-                stop_reason = f"{stop.signal} received"
-            elif deadline is not None and time.time() + 2 * (step_seconds or 0) + 1.5 * ckpt.save_seconds() >= deadline:
-                stop_reason = "deadline near"
+            save_now = step % cfg.save_every == 0 or agreed.save
+            stop_reason = agreed.stop
             if probe_now or eval_now or save_now or stop_reason or step == cfg.max_steps:
                 m = record(*pending, t_prev)
                 t_prev, pending = time.time(), None
@@ -596,6 +593,7 @@ def _train(plan: Plan, rd: rundir.RunDir, progress: bool, log) -> dict:
     if bar is not None:
         bar.close()
     ckpt.close()
+    policy.close()
     if stop_reason:
         log(f"stopped at step {step} ({stop_reason}); saved, lane offset {pos}")
     return last

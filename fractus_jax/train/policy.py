@@ -1,0 +1,198 @@
+"""The stop and save policy, agreed by every process.
+
+A save is collective (every process writes its shards, Orbax waits for all of them), and
+so is the step itself: a process that saves or stops alone leaves the others waiting in a
+collective it never enters. Saves every `save_every` steps and the end of the run are the
+same everywhere by construction (step counts). The other decisions are not, and are taken
+here, once per step, for every process:
+
+- a time-based save (`save_every_minutes`) and the deadline stop: by process 0's clock
+  (the other processes' clocks are never read);
+- a stop for SIGTERM or SIGINT received by ANY process;
+- finishing the background save that process 0 sees committed (its retention deletes
+  old steps, which is collective too).
+
+Process 0 decides; each process gets the decision of each step before acting on it. In a
+one-process run nothing is exchanged: the decision is that process's own view.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Callable, Optional, Sequence
+
+# The policy's clock (tests give a process another one).
+clock: Callable[[], float] = time.time
+
+WINDOW = 1000   # decision keys are grouped by WINDOW steps; a window 2 behind is deleted
+WAIT_MS = 600_000   # one wait for process 0's decision; waits again (a compilation, a slow save)
+
+
+@dataclasses.dataclass(frozen=True)
+class Vote:
+    """What one process brings to a step. Only process 0 reads its clock and its save in
+    flight; the others bring a signal at most."""
+    signal: Optional[str] = None   # SIGTERM / SIGINT received by this process
+    timed_save: bool = False       # save_every_minutes have passed since the last save
+    deadline: bool = False         # two more steps and a save would not fit before the deadline
+    committed: bool = False        # the background save has committed: finish it now
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The same on every process, for one step."""
+    save: bool = False               # a time-based save after this step
+    stop: Optional[str] = None       # why the run saves and stops after this step
+    finish_save: bool = False        # finish the committed background save (checksums, retention, manifest)
+
+    def encode(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def decode(cls, text: str) -> "Decision":
+        return cls(**json.loads(text))
+
+
+def decide(votes: Sequence[Vote]) -> Decision:
+    """votes[i] is process i's. The clock and the save in flight are process 0's; a signal
+    counts from any process (the lowest-numbered one names it). A signal goes before the
+    deadline, as the reason given."""
+    lead = votes[0]
+    stop = None
+    for i, v in enumerate(votes):
+        if v.signal:
+            stop = f"{v.signal} received" + (f" by process {i}" if len(votes) > 1 else "")
+            break
+    if stop is None and lead.deadline:
+        stop = "deadline near"
+    return Decision(save=lead.timed_save, stop=stop, finish_save=lead.committed)
+
+
+class Alone:
+    """One process: its own vote is the decision; nothing is exchanged."""
+    alone, lead = True, True
+
+    def agree(self, step: int, vote: Vote) -> Decision:
+        return decide([vote])
+
+    def close(self) -> None:
+        pass
+
+
+class Gathered:
+    """Agreement from a gather function: gather(step, vote) returns every process's vote
+    (index = process). Every process must see the same list."""
+    alone = False
+
+    def __init__(self, gather: Callable[[int, Vote], Sequence[Vote]], process_index: int):
+        self.gather, self.lead = gather, process_index == 0
+
+    def agree(self, step: int, vote: Vote) -> Decision:
+        return decide(self.gather(step, vote))
+
+    def close(self) -> None:
+        pass
+
+
+class KeyValueExchange:
+    """Agreement through the key-value store of JAX's coordination service: host to host,
+    no device work, so the device queue is never drained for it. A process that received a
+    signal writes it once under `signal/<process>`; process 0 reads that directory each
+    step, decides, and writes the step's decision; the other processes wait for it. Per
+    step: two small requests from process 0, one from each other process."""
+    alone = False
+    _instances = 0   # each run in a process gets its own keys (the same count on every process)
+
+    def __init__(self, client, process_index: int, process_count: int, name: Optional[str] = None):
+        self.client, self.index, self.count = client, process_index, process_count
+        self.lead = process_index == 0
+        KeyValueExchange._instances += 1
+        self.prefix = f"fractus_jax/policy/{name or KeyValueExchange._instances}"
+        self._signal_sent = False
+
+    def _key(self, step: int) -> str:
+        return f"{self.prefix}/step/{step // WINDOW}/{step}"
+
+    def agree(self, step: int, vote: Vote) -> Decision:
+        if not self.lead:
+            if vote.signal and not self._signal_sent:
+                self.client.key_value_set(f"{self.prefix}/signal/{self.index}", vote.signal)
+                self._signal_sent = True
+            return Decision.decode(self._wait(self._key(step)))
+        signals = {}
+        for key, value in self.client.key_value_dir_get(f"{self.prefix}/signal/"):
+            signals[int(key.rstrip("/").rsplit("/", 1)[1])] = value
+        votes = [vote] + [Vote(signal=signals.get(i)) for i in range(1, self.count)]
+        decision = decide(votes)
+        self.client.key_value_set(self._key(step), decision.encode())
+        if step % WINDOW == 0 and step // WINDOW >= 2:
+            # Every process has read those: each is at most a few steps behind process 0
+            # (the steps' collectives hold them together).
+            self.client.key_value_delete(f"{self.prefix}/step/{step // WINDOW - 2}")
+        return decision
+
+    def _wait(self, key: str) -> str:
+        while True:
+            try:
+                return self.client.blocking_key_value_get(key, WAIT_MS)
+            except Exception as e:   # noqa: BLE001 - the runtime's error type is not public
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+
+    def close(self) -> None:
+        """Process 0, after the run's last (collective) save: every process has read every decision."""
+        if self.lead:
+            try:
+                self.client.key_value_delete(self.prefix)
+            except Exception:   # noqa: BLE001 - the keys die with the coordinator anyway
+                pass
+
+
+def exchange_for_run():
+    """Alone in a one-process run; through the coordination service otherwise."""
+    import jax
+
+    if jax.process_count() == 1:
+        return Alone()
+    from jax._src import distributed   # the runtime's client, reached as Orbax's multihost module does
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("a multi-process run without jax.distributed's client")
+    return KeyValueExchange(client, jax.process_index(), jax.process_count())
+
+
+class StopSavePolicy:
+    """Per step: whether to save by time, whether to stop, whether to finish the save in
+    flight. `at_step` is called by every process at every step, in the same order."""
+
+    def __init__(self, save_every_minutes: float, deadline: Optional[float], exchange=None):
+        self.save_every_minutes = save_every_minutes
+        self.deadline = deadline
+        self.exchange = exchange or Alone()
+        self.last_save = clock()
+
+    def saved(self) -> None:
+        """A save was made (at a step every process saved)."""
+        self.last_save = clock()
+
+    def at_step(self, step: int, signal: Optional[str], ckpt, step_seconds: Optional[float]) -> Decision:
+        """ckpt: `poll()` (one process), `committed()`, `wait()`, `save_seconds()`."""
+        committed = False
+        if self.exchange.alone:
+            ckpt.poll()   # its own view is the agreed one: finish a committed save right away
+        elif self.exchange.lead:
+            committed = ckpt.committed()
+        vote = Vote(signal=signal)
+        if self.exchange.lead:
+            timed = self.save_every_minutes > 0 and clock() - self.last_save >= 60 * self.save_every_minutes
+            near = self.deadline is not None and (
+                clock() + 2 * (step_seconds or 0) + 1.5 * ckpt.save_seconds() >= self.deadline)
+            vote = Vote(signal=signal, timed_save=timed, deadline=near, committed=committed)
+        decision = self.exchange.agree(step, vote)
+        if decision.finish_save:
+            ckpt.wait()
+        return decision
+
+    def close(self) -> None:
+        self.exchange.close()

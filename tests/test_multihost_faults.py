@@ -1,0 +1,147 @@
+"""Two processes on localhost (4 CPU devices each, one 8-device mesh) disagree about time
+or signals, and still save the same steps: SIGTERM to one of them, clocks apart. Each
+process runs the trainer's command line behind a small hook (a SIGTERM to itself at a
+step; another clock for the stop and save policy)."""
+import os
+import re
+import signal  # noqa: F401 - named in the hooks
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import state as state_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["batch_size=8", "model.moe_group_rows=1", "optimizer=sgd", "lr=0.05", "mesh.data=2", "mesh.fsdp=4"]
+
+pytestmark = pytest.mark.slow
+
+HOOK = textwrap.dedent("""
+    import os, signal, sys, time
+    from fractus_jax.train import policy
+    from fractus_jax.train.__main__ import main
+    offset, rate, sigterm_after = {offset!r}, {rate!r}, {sigterm_after!r}
+    t0 = time.time()
+    if offset or rate != 1:
+        policy.clock = lambda: t0 + offset + (time.time() - t0) * rate
+    if sigterm_after:
+        at_step = policy.StopSavePolicy.at_step
+        def at_step_then_sigterm(self, step, *args):
+            decision = at_step(self, step, *args)
+            if step == sigterm_after:
+                os.kill(os.getpid(), signal.SIGTERM)   # seen at the next step
+            return decision
+        policy.StopSavePolicy.at_step = at_step_then_sigterm
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(workdir, corpus_file, overrides, hooks=None, timeout=400):
+    """Both processes' stderr; each must exit 0. hooks: {process: dict(offset=, rate=, sigterm_after=)}."""
+    hooks = hooks or {}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    port = _free_port()
+    sets = [f"--set={o}" for o in [f"corpus={corpus_file}", *RUN, *overrides]]
+    procs = []
+    for i in range(2):
+        hook = {"offset": 0.0, "rate": 1.0, "sigterm_after": None, **hooks.get(i, {})}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", HOOK.format(**hook), "--no-progress", "--config", "tiny",
+             "--workdir", str(workdir), *sets, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+             "--process-id", str(i), "--local-devices", "4"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i}: {err[-3000:]}"
+    return [err for _, err in outs]
+
+
+def saved_steps(workdir):
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def restore_state(workdir):
+    cfg = cfg_lib.resolve_for_mesh(cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), RUN))
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev),
+                            state_lib.abstract_train_state(cfg))
+    ck = ckpt_lib.RunCheckpointer(workdir, read_only=True)
+    try:
+        return ck.restore(abstract)
+    finally:
+        ck.close()
+
+
+def metrics_steps(workdir):
+    import json
+    return [json.loads(x)["step"] for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes_bit_exact(corpus_file, tmp_path):
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    # Process 1 alone receives SIGTERM after step 2: both stop at the same step and save it.
+    errs = launch(run, corpus_file, ["max_steps=100", "save_every=2"], {1: {"sigterm_after": 2}})
+    stops = [re.search(r"stopped at step (\d+) \(SIGTERM received by process 1\)", e) for e in errs]
+    assert all(stops), errs[0][-2000:] + errs[1][-2000:]
+    step = int(stops[0].group(1))
+    assert int(stops[1].group(1)) == step and step in (3, 4)
+    assert ckpt_lib.read_manifest(run)["step"] == step and step in saved_steps(run)
+
+    # The same command resumes (to step 6) and ends where an uninterrupted run ends, bit for bit.
+    errs = launch(run, corpus_file, ["max_steps=6", "save_every=2"])
+    assert f"resumed {run} at step {step}" in errs[0]
+    launch(straight, corpus_file, ["max_steps=6", "save_every=2"])
+    (a, meta_a), (b, meta_b) = restore_state(run), restore_state(straight)
+    assert meta_a["step"] == meta_b["step"] == 6 and meta_a["start_token_next"] == meta_b["start_token_next"]
+    for part in ("params", "opt_state", "carry"):
+        jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a[part], b[part])
+    assert metrics_steps(run) == metrics_steps(straight) == [1, 2, 3, 4, 5, 6]
+
+
+HOUR = 3600.0
+
+
+@pytest.mark.parametrize("case", ["process_1_ahead_and_fast", "process_0_ahead", "process_0_fast"])
+def test_clocks_apart_both_save_the_same_steps(case, corpus_file, tmp_path):
+    run = tmp_path / "run"
+    deadline = time.time() + HOUR / 2
+    if case == "process_1_ahead_and_fast":
+        # Alone, process 1 would save every step (a minute passes in 60 ms of its clock) and
+        # stop at once (its deadline is half an hour past): process 0's clock decides.
+        errs = launch(run, corpus_file, ["max_steps=4", "save_every=1000", "save_every_minutes=1",
+                                         f"deadline={deadline}"], {1: {"offset": HOUR, "rate": 1000.0}})
+        assert saved_steps(run) == [4]
+        assert not any("deadline near" in e or "stopped at" in e for e in errs)
+    elif case == "process_0_ahead":
+        # Process 0's deadline is past: both stop at step 1 and save it; process 1's clock
+        # alone would train on.
+        errs = launch(run, corpus_file, ["max_steps=4", "save_every=1000", f"deadline={deadline}"],
+                      {0: {"offset": HOUR}})
+        assert saved_steps(run) == [1]
+        for e in errs:
+            assert "stopped at step 1 (deadline near)" in e, e[-2000:]
+    else:
+        # Process 0's minutes pass in milliseconds: its time-based saves are every process's.
+        launch(run, corpus_file, ["max_steps=4", "save_every=1000", "save_every_minutes=1",
+                                  "keep_checkpoints=10"], {0: {"rate": 1000.0}})
+        assert 4 in saved_steps(run) and len(saved_steps(run)) >= 2, saved_steps(run)
+    assert ckpt_lib.read_manifest(run)["step"] == saved_steps(run)[-1]

@@ -1,0 +1,250 @@
+"""The stop and save policy, in one process: the decision rule, the one-process path, and
+the agreement of two processes (threads here) through an injected gather and through a
+key-value store like the coordination service's. The two-process runs are in
+tests/test_multihost_faults.py."""
+import threading
+
+import pytest
+
+from fractus_jax.train import policy
+from fractus_jax.train.policy import Decision, StopSavePolicy, Vote, decide
+
+
+class FakeCheckpointer:
+    def __init__(self, committed_at=(), save_seconds=1.0):
+        self.committed_at, self._save_seconds = set(committed_at), save_seconds
+        self.step = None
+        self.calls = []
+
+    def poll(self):
+        self.calls.append(("poll", self.step))
+
+    def committed(self):
+        self.calls.append(("committed", self.step))
+        return self.step in self.committed_at
+
+    def wait(self):
+        self.calls.append(("wait", self.step))
+
+    def save_seconds(self):
+        return self._save_seconds
+
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(policy, "clock", c)
+    return c
+
+
+# ----------------------------------------------------------------------------- the rule
+
+def test_one_process_words_a_signal_as_before():
+    assert decide([Vote(signal="SIGTERM")]) == Decision(stop="SIGTERM received")
+    assert decide([Vote(deadline=True)]) == Decision(stop="deadline near")
+    assert decide([Vote(signal="SIGINT", deadline=True, timed_save=True)]) == Decision(save=True, stop="SIGINT received")
+    assert decide([Vote()]) == Decision()
+
+
+def test_a_signal_to_any_process_stops_every_one():
+    assert decide([Vote(), Vote(), Vote(signal="SIGTERM")]).stop == "SIGTERM received by process 2"
+    assert decide([Vote(signal="SIGINT"), Vote(signal="SIGTERM")]).stop == "SIGINT received by process 0"
+
+
+def test_only_process_0s_clock_and_save_count():
+    others = Vote(timed_save=True, deadline=True, committed=True)
+    assert decide([Vote(), others]) == Decision()
+    assert decide([Vote(timed_save=True, committed=True), Vote()]) == Decision(save=True, finish_save=True)
+    assert decide([Vote(deadline=True), Vote()]).stop == "deadline near"
+
+
+def test_a_decision_travels_as_text():
+    d = Decision(save=True, stop="SIGTERM received by process 1", finish_save=True)
+    assert Decision.decode(d.encode()) == d
+
+
+# ----------------------------------------------------------------------------- one process
+
+def test_alone_polls_and_decides_by_its_own_clock(clock):
+    p = StopSavePolicy(save_every_minutes=2, deadline=None)
+    ck = FakeCheckpointer()
+    ck.step = 1
+    assert p.at_step(1, None, ck, 0.5) == Decision()
+    assert ck.calls == [("poll", 1)]   # its own view: the save in flight is finished by poll
+    clock.t += 119
+    assert not p.at_step(2, None, ck, 0.5).save
+    clock.t += 1
+    assert p.at_step(3, None, ck, 0.5).save
+    p.saved()
+    assert not p.at_step(4, None, ck, 0.5).save
+
+
+def test_the_deadline_margin_is_two_steps_and_one_and_a_half_saves(clock):
+    ck = FakeCheckpointer(save_seconds=10.0)
+    p = StopSavePolicy(0, deadline=clock.t + 2 * 3.0 + 15.0 + 0.5)
+    assert p.at_step(1, None, ck, 3.0).stop is None
+    clock.t += 0.5
+    assert p.at_step(2, None, ck, 3.0).stop == "deadline near"
+    assert StopSavePolicy(0, None).at_step(3, "SIGTERM", ck, 3.0).stop == "SIGTERM received"
+
+
+# ----------------------------------------------------------------------------- two processes
+
+class ThreadGather:
+    """An all-gather between threads: each step, every thread's vote, in process order."""
+
+    def __init__(self, n):
+        self.n, self.votes, self.barrier = n, {}, threading.Barrier(n)
+
+    def for_process(self, i):
+        def gather(step, vote):
+            self.votes[(step, i)] = vote
+            self.barrier.wait()
+            out = [self.votes[(step, j)] for j in range(self.n)]
+            self.barrier.wait()
+            return out
+        return gather
+
+
+def run_processes(make_exchange, signals, committed_at=(), steps=8, n=2, clock_step=None):
+    """Each "process" a thread running the policy for `steps` steps; signals[i] = (step, name)
+    received by process i. Returns each one's decisions and its checkpointer's calls."""
+    out, errors = {}, []
+    # The train step is collective: no process runs a step ahead of the others' dispatch.
+    # The last save is too: all have read every decision before process 0 cleans up.
+    step_collective, done = threading.Barrier(n), threading.Barrier(n)
+
+    def body(i):
+        try:
+            p = StopSavePolicy(save_every_minutes=1, deadline=None, exchange=make_exchange(i))
+            ck = FakeCheckpointer(committed_at)
+            got, signal = [], None
+            for step in range(1, steps + 1):
+                ck.step = step
+                step_collective.wait(timeout=20)
+                if i in signals and step >= signals[i][0]:
+                    signal = signals[i][1]
+                if clock_step is not None and i == 0:
+                    clock_step(step)
+                d = p.at_step(step, signal, ck, 0.1)
+                got.append(d)
+                if d.save or d.stop:
+                    p.saved()
+                if d.stop:
+                    break
+            done.wait(timeout=20)
+            p.close()
+            out[i] = (got, ck.calls)
+        except BaseException as e:   # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+        if t.is_alive():   # unblock the others' waits: the test fails below
+            policy.WAIT_MS = 1
+    assert not errors, errors
+    assert all(not t.is_alive() for t in threads)
+    return [out[i] for i in range(n)]
+
+
+def test_gathered_a_signal_to_process_1_stops_both_at_the_same_step(clock):
+    g = ThreadGather(2)
+    (d0, calls0), (d1, calls1) = run_processes(lambda i: policy.Gathered(g.for_process(i), i),
+                                               {1: (3, "SIGTERM")}, committed_at={2})
+    assert d0 == d1 and len(d0) == 3
+    assert d0[-1].stop == "SIGTERM received by process 1"
+    # The save that process 0 saw committed at step 2 is finished by both at step 2; only
+    # process 0's view was asked.
+    assert ("wait", 2) in calls0 and ("wait", 2) in calls1
+    assert not any(c[0] in ("committed", "poll") for c in calls1)
+
+
+def test_gathered_time_saves_follow_process_0s_clock(clock):
+    g = ThreadGather(2)
+
+    def tick(step):   # process 0's clock: a minute passes at step 3
+        if step == 3:
+            clock.t += 60
+
+    (d0, _), (d1, _) = run_processes(lambda i: policy.Gathered(g.for_process(i), i), {}, steps=5, clock_step=tick)
+    assert d0 == d1
+    assert [d.save for d in d0] == [False, False, True, False, False]
+
+
+class FakeClient:
+    """The coordination service's key-value store, in memory."""
+
+    def __init__(self):
+        self.kv, self.cv = {}, threading.Condition()
+        self.deleted = []
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.cv:
+            assert allow_overwrite or key not in self.kv, key
+            self.kv[key] = value
+            self.cv.notify_all()
+
+    def key_value_dir_get(self, d):
+        with self.cv:
+            return [(k, v) for k, v in sorted(self.kv.items()) if k.startswith(d)]
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        with self.cv:
+            if not self.cv.wait_for(lambda: key in self.kv, timeout_in_ms / 1000):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
+            return self.kv[key]
+
+    def key_value_delete(self, key):
+        with self.cv:
+            self.deleted.append(key)
+            for k in [k for k in self.kv if k == key or k.startswith(key + "/")]:
+                del self.kv[k]
+
+
+@pytest.mark.parametrize("who", [0, 1, 2])
+def test_key_value_exchange_a_signal_to_any_process_stops_all_at_one_step(clock, who):
+    client = FakeClient()
+    results = run_processes(lambda i: policy.KeyValueExchange(client, i, 3, name="run"), {who: (3, "SIGTERM")},
+                            committed_at={2}, n=3)
+    decisions = [d for d, _ in results]
+    assert decisions[0] == decisions[1] == decisions[2]
+    # Process 0 may read the signal directory of step 3 before process `who` wrote to it:
+    # then all stop at step 4, together.
+    assert len(decisions[0]) in (3, 4) and decisions[0][-1].stop == f"SIGTERM received by process {who}"
+    for _, calls in results:
+        assert ("wait", 2) in calls
+    assert client.kv == {}   # process 0 removed the run's keys at the end
+
+
+def test_key_value_exchange_waits_again_for_a_slow_process_0(clock, monkeypatch):
+    monkeypatch.setattr(policy, "WAIT_MS", 50)
+    client = FakeClient()
+    late = threading.Timer(0.3, lambda: client.key_value_set(f"{ex.prefix}/step/0/1", Decision(save=True).encode()))
+    ex = policy.KeyValueExchange(client, 1, 2)
+    late.start()
+    assert ex.agree(1, Vote()) == Decision(save=True)
+
+
+def test_key_value_exchange_deletes_old_decisions(clock, monkeypatch):
+    monkeypatch.setattr(policy, "WINDOW", 3)
+    client = FakeClient()
+    run_processes(lambda i: policy.KeyValueExchange(client, i, 2, name="run"), {}, steps=10)
+    prefix = client.deleted[0].rsplit("/step/", 1)[0]
+    assert client.deleted == [f"{prefix}/step/0", f"{prefix}/step/1", prefix]   # at steps 6, 9, the end
+
+
+def test_each_run_in_a_process_has_its_own_keys():
+    client = FakeClient()
+    a, b = policy.KeyValueExchange(client, 0, 2), policy.KeyValueExchange(client, 0, 2)
+    assert a.prefix != b.prefix
