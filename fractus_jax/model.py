@@ -282,7 +282,8 @@ def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, mm_
             a, S_sum, z_sum = a + mix[l] * y, S_sum + S_l, z_sum + z_l
         new_S, new_z = S_sum / Lv, z_sum / Lv
     else:
-        qf, kf = jnp.stack(qf), jnp.stack(kf)        # a no-op unless the features came per level
+        if isinstance(qf, tuple):                    # the features came per level
+            qf, kf = jnp.stack(qf), jnp.stack(kf)
         y, S_l, z_l = attn_k.linear_attention(qf, kf, jnp.broadcast_to(v, qf.shape), S_BxHxdxd, z_BxHxd,
                                               reset_BxC[:, None, :], block_size=cfg.attn_block_size,
                                               cpu_tuned=one_block)

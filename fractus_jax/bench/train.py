@@ -334,9 +334,9 @@ def main(argv=None) -> int:
             print(f"    {d['dispatch']:<18} {d['ms_per_step']:8.1f} ms/step {d['ids_per_s']:8.0f} ids/s "
                   f"keep_rate {d['keep_rate']:.3f}  x{d['ratio']:.2f}")
     if args.kernels:
-        r["kernels"] = compare_models(cfg, KERNEL_CHOICES, warmup=args.warmup)
-        print("  kernels, round robin in this process (ratio: step time against plain):")
-        for d in r["kernels"]:
+        r["kernel_forms"] = compare_models(cfg, KERNEL_CHOICES, warmup=args.warmup)
+        print("  model.kernels, round robin in this process (ratio: step time against plain):")
+        for d in r["kernel_forms"]:
             print(f"    {d['name']:<18} {d['ms_per_step']:8.1f} ms/step {d['ids_per_s']:8.0f} ids/s  x{d['ratio']:.2f}")
     if args.json:
         print(json.dumps(r))
