@@ -67,14 +67,18 @@ class EngineConfig:
     # Execution only: dropless routing gives the same numbers for any value.
     moe_shards: int = 1
     attn_block_size: int = 64
+    # "auto": the forms tuned for XLA:CPU on a CPU backend, the plain formulation elsewhere;
+    # "plain" or "cpu" force one (fractus_jax/kernels/select.py; the same function either way).
+    kernels: str = "auto"
     compute_dtype: str = "float32"
     remat: bool = False
     # Layers per iteration of the layer scan (n_layers: no loop at all). Unrolling lets XLA
     # keep each layer's saved activations in their own buffers instead of copying them into
-    # stacked ones (a third of a bench_small step on CPU); compile time grows with it.
+    # stacked ones (on CPU, docs/performance.md); compile time grows with it.
     scan_unroll: int = 1
-    # Independent row streams: the batch runs as this many row slices, each through every
-    # layer on its own, so that XLA:CPU runs them on different cores at once. Only the
+    # Independent row streams, a CPU schedule (leave it at 1 on a GPU): the batch runs as this
+    # many row slices, each through every layer on its own, so that XLA:CPU runs them on
+    # different cores at once. Only the
     # load-balance term joins them (P_e stays the mean over every token). A stream holds
     # whole MoE dispatch groups, so row_streams > 1 needs moe_group_rows set (checked
     # where the batch is known). Execution only: the numbers are one stream's with the
@@ -102,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"scan_unroll must be >= 1, got {self.scan_unroll}")
         if self.row_streams < 1:
             raise ValueError(f"row_streams must be >= 1, got {self.row_streams}")
+        if self.kernels not in ("auto", "plain", "cpu"):
+            raise ValueError(f"kernels must be 'auto', 'plain' or 'cpu', got {self.kernels!r}")
         if self.attn_block_size < 1:
             raise ValueError(f"attn_block_size must be >= 1, got {self.attn_block_size}")
         if self.compute_dtype not in ("float32", "bfloat16", "float16", "float64"):

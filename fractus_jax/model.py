@@ -25,6 +25,7 @@ from fractus_jax.dtypes import accum_dtype
 from fractus_jax.kernels import attention as attn_k
 from fractus_jax.kernels import kuramoto as kur_k
 from fractus_jax.kernels import moe as moe_k
+from fractus_jax.kernels import select
 
 BOUNDARY_IDS = (atom_ids.BOUNDARY_FIRST, atom_ids.BOUNDARY_LAST)  # atom features enter at boundary ids, inclusive range (docs/spec.md §5)
 BUFFER_NAMES = ("level_offsets", "expert_phases")
@@ -155,12 +156,16 @@ def _normalized(x, eps):
     return xc * rstd, rstd
 
 
-def layer_norm(x, p, eps):
-    """LayerNorm over the last axis, with the textbook backward written out: autodiff's
-    form of it let XLA:CPU fuse each layer's residual gradient into its neighbours' and
-    recompute it there (~5% of the bench_small step). Reverse mode only (custom_vjp)."""
+def layer_norm(x, p, eps, cpu_tuned: bool = False):
+    """LayerNorm over the last axis. cpu_tuned (the CPU form "layer_norm",
+    kernels/select.py): the same with the textbook backward written out (custom_vjp, reverse
+    mode only), which kept XLA:CPU from fusing each layer's residual gradient into its
+    neighbours' and recomputing it there."""
     with jax.named_scope("layernorm"):
-        return _layer_norm(x, p, eps)
+        if cpu_tuned:
+            return _layer_norm(x, p, eps)
+        xhat, _ = _normalized(x, eps)
+        return xhat * p["weight"] + p["bias"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -197,10 +202,15 @@ def _project_qkv(x_BxCxD, w_Dx3xD, b_3xD, mm_dtype):
     return (x_BxCxD.astype(mm_dtype) @ w).astype(x_BxCxD.dtype) + b_3xD.reshape(3 * D)
 
 
-def _features_impl(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype):
+def _qkv_heads(x_BxCxD, w_Dx3xD, b_3xD, n_heads, mm_dtype):
+    """q, k, v (B, H, C, dH): the projection split into heads."""
     qkv = _project_qkv(x_BxCxD, w_Dx3xD, b_3xD, mm_dtype)
     D = x_BxCxD.shape[-1]
-    q, k, v = (_heads(qkv[..., j * D:(j + 1) * D], n_heads) for j in range(3))   # (B, H, C, dH)
+    return tuple(_heads(qkv[..., j * D:(j + 1) * D], n_heads) for j in range(3))
+
+
+def _features_impl(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype):
+    q, k, v = _qkv_heads(x_BxCxD, w_Dx3xD, b_3xD, n_heads, mm_dtype)
     levels = range(offsets.shape[0])
     return (tuple(attn_k.elu1(q + offsets[l]) for l in levels),
             tuple(attn_k.elu1(k + offsets[l]) for l in levels), v)
@@ -209,14 +219,15 @@ def _features_impl(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def qkv_features(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype):
     """((qf_l), (kf_l), v): the projection, split into heads (B, H, C, dH), and the feature
-    maps elu1(q + ω_l), elu1(k + ω_l) of every level l.
+    maps elu1(q + ω_l), elu1(k + ω_l) of every level l. The CPU form "qkv_features"
+    (kernels/select.py) of `_attention`'s plain features.
 
     The backward is written out (custom_vjp): autodiff's form let XLA:CPU fuse the two
     levels' gradients, the elu1 derivative (max/min with their tie rule, recomputed from
-    qkv), the heads transposes and the pads of the three slices into one 29-operand loop
-    per layer, ~4.5 ms each in the bench_small step. Here the feature derivative is read
-    off the saved output, elu1'(u) = min(elu1(u), 1), and the three gradients are
-    concatenated, not padded and added. ω gets no gradient: level_offsets is a buffer.
+    qkv), the heads transposes and the pads of the three slices into one large loop per
+    layer. Here the feature derivative is read off the saved output, elu1'(u) =
+    min(elu1(u), 1), and the three gradients are concatenated, not padded and added. ω gets
+    no gradient: level_offsets is a buffer.
     """
     return _features_impl(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype)
 
@@ -252,23 +263,35 @@ def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, mm_
     B, C, D = x_BxCxD.shape
     H, dH, Lv = cfg.n_heads, cfg.d_head, cfg.n_levels
     acc = S_BxHxdxd.dtype
-    qf, kf, v = qkv_features(x_BxCxD.astype(acc), p["w_qkv"].transpose(1, 0, 2), p["b_qkv"],
-                             jax.lax.stop_gradient(p["level_offsets"]), H, mm_dtype)
-    # One kernel call per level (L is small and static): no stacked copies of q, k, v and
-    # the carry, and the carry's level mean is a sum of slices (XLA's CPU backend reduces a
-    # short broadcast axis ~30× slower than it adds slices, docs/engine.md).
+    x, w_Dx3xD, offsets = x_BxCxD.astype(acc), p["w_qkv"].transpose(1, 0, 2), jax.lax.stop_gradient(p["level_offsets"])
+    if select.cpu_tuned(cfg.kernels, "qkv_features"):
+        qf, kf, v = qkv_features(x, w_Dx3xD, p["b_qkv"], offsets, H, mm_dtype)   # per level
+    else:
+        q, k, v = _qkv_heads(x, w_Dx3xD, p["b_qkv"], H, mm_dtype)               # (B, H, C, dH)
+        omega = offsets[:, None, None, None, None]
+        qf, kf = attn_k.elu1(q + omega), attn_k.elu1(k + omega)                  # (Lv, B, H, C, dH)
     mix = jax.nn.softmax(p["level_logits"])
-    reset = reset_BxC[:, None, :]
-    a, S_sum, z_sum = 0.0, 0.0, 0.0
-    for l in range(Lv):
-        y, S_l, z_l = attn_k.linear_attention(qf[l], kf[l], v, S_BxHxdxd, z_BxHxd, reset,
-                                              block_size=cfg.attn_block_size)
-        a, S_sum, z_sum = a + mix[l] * y, S_sum + S_l, z_sum + z_l
+    one_block = select.cpu_tuned(cfg.kernels, "one_block")
+    if select.cpu_tuned(cfg.kernels, "level_slices"):
+        # The CPU form: one kernel call per level, no stacked copies of v and the carry, and
+        # the carry's level mean a sum of slices, not a reduction over a level axis.
+        a, S_sum, z_sum = 0.0, 0.0, 0.0
+        for l in range(Lv):
+            y, S_l, z_l = attn_k.linear_attention(qf[l], kf[l], v, S_BxHxdxd, z_BxHxd, reset_BxC[:, None, :],
+                                                  block_size=cfg.attn_block_size, cpu_tuned=one_block)
+            a, S_sum, z_sum = a + mix[l] * y, S_sum + S_l, z_sum + z_l
+        new_S, new_z = S_sum / Lv, z_sum / Lv
+    else:
+        if isinstance(qf, tuple):                    # the features came per level
+            qf, kf = jnp.stack(qf), jnp.stack(kf)
+        y, S_l, z_l = attn_k.linear_attention(qf, kf, jnp.broadcast_to(v, qf.shape), S_BxHxdxd, z_BxHxd,
+                                              reset_BxC[:, None, :], block_size=cfg.attn_block_size,
+                                              cpu_tuned=one_block)
+        a = jnp.einsum("l,lbhcd->bhcd", mix, y)
+        new_S, new_z = S_l.mean(0), z_l.mean(0)
     a = a.transpose(0, 2, 1, 3).reshape(B, C, H * dH)
     out = jnp.einsum("bcd,de->bce", a.astype(mm_dtype), p["w_out"].astype(mm_dtype)).astype(acc)
-    new_S = jax.lax.stop_gradient(S_sum / Lv)
-    new_z = jax.lax.stop_gradient(z_sum / Lv)
-    return out + p["b_out"], new_S, new_z
+    return out + p["b_out"], jax.lax.stop_gradient(new_S), jax.lax.stop_gradient(new_z)
 
 
 @jax.named_scope("kuramoto")
@@ -279,7 +302,8 @@ def _phases(p, y_BxCxD, cfg: EngineConfig):
         base = kur_k.mean_phase_encoding(y_BxCxD)
     theta0 = kur_k.initial_phases(base, cfg.n_oscillators)
     return kur_k.integrate(theta0, p["omega"], p["coupling_u"], p["coupling_lambda"],
-                           n_steps=cfg.kuramoto_steps, dt=cfg.kuramoto_dt, damping=cfg.kuramoto_damping)
+                           n_steps=cfg.kuramoto_steps, dt=cfg.kuramoto_dt, damping=cfg.kuramoto_damping,
+                           cpu_tuned=select.cpu_tuned(cfg.kernels, "sincos"))
 
 
 @jax.named_scope("moe")
@@ -287,8 +311,9 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, mm_dtype):
     B, C, D = x_BxCxD.shape
     E, K = cfg.n_experts, cfg.top_k
     psi = theta_BxCxN if cfg.is_atom else jnp.broadcast_to(theta_BxCxN[:, -1:], theta_BxCxN.shape)
-    g = moe_k.gates(moe_k.mean_phase(psi), jax.lax.stop_gradient(p["expert_phases"]),
-                    cfg.moe_kappa / cfg.gate_temperature)                     # (B, C, E)
+    trig_cpu = select.cpu_tuned(cfg.kernels, "sincos")
+    g = moe_k.gates(moe_k.mean_phase(psi, trig_cpu), jax.lax.stop_gradient(p["expert_phases"]),
+                    cfg.moe_kappa / cfg.gate_temperature, trig_cpu)           # (B, C, E)
     idx, w = moe_k.top_k_route(g, K)
     if cfg.capacity_factor is None:           # groups only keep tokens on their device
         n_groups = cfg.moe_shards if B % cfg.moe_shards == 0 else 1
@@ -319,11 +344,12 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, mm_dtype):
 def block_forward(p, h_BxCxD, carry, reset_BxC, cfg: EngineConfig, mm_dtype):
     """One block on a chunk: (h, (S, z, phase)) → (h, (S, z, phase), stats)."""
     S, z, _ = carry
-    a, S, z = _attention(p["attn"], layer_norm(h_BxCxD, p["norm_attn"], cfg.ln_eps), S, z,
+    ln_cpu = select.cpu_tuned(cfg.kernels, "layer_norm")
+    a, S, z = _attention(p["attn"], layer_norm(h_BxCxD, p["norm_attn"], cfg.ln_eps, ln_cpu), S, z,
                          reset_BxC, cfg, mm_dtype)
     h = h_BxCxD + a
-    theta = _phases(p["kuramoto"], layer_norm(h, p["norm_kur"], cfg.ln_eps), cfg)
-    m, stats = _moe(p["moe"], layer_norm(h, p["norm_moe"], cfg.ln_eps), theta, cfg, mm_dtype)
+    theta = _phases(p["kuramoto"], layer_norm(h, p["norm_kur"], cfg.ln_eps, ln_cpu), cfg)
+    m, stats = _moe(p["moe"], layer_norm(h, p["norm_moe"], cfg.ln_eps, ln_cpu), theta, cfg, mm_dtype)
     phase = jax.lax.stop_gradient(theta[:, -1])
     return h + m, (S, z, phase), stats
 

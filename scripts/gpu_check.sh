@@ -66,6 +66,8 @@ for batch in $BATCHES; do
   if [ "$limit" -eq 0 ] || [ "$total" -lt $((limit * 9 / 10)) ]; then best=$batch; break; fi
 done
 best=${best:-${BATCHES##* }}
+# model.kernels is left at "auto": the plain forms on a GPU (the CPU-tuned ones only run on a
+# CPU backend, docs/engine.md); train.json's "kernels" says which ran.
 log "bench train $CONFIG at batch $best"
 timeout "$(limit_s 200)" python3 -m fractus_jax.bench train --config "$CONFIG" --set batch_size=$best --steps "$STEPS" --json \
   >"$RAW/train_b$best.txt" 2>&1 && last_json "$RAW/train_b$best.txt" >"$OUT/train.json"

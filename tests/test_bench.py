@@ -53,6 +53,15 @@ def test_train_bench_reports_ids_per_s_and_mfu(capsys):
     assert r["page_faults_per_step"] >= 0
     assert r["malloc_hugetlb"] is hostmem.hugetlb_tunable()
     assert (r["row_streams"], r["moe_group_rows"]) == (1, 1)    # tiny's schedule, as configured
+    assert r["kernels"] == "cpu"                                  # "auto" on a CPU backend
+
+
+def test_train_bench_times_plain_against_cpu_kernels(capsys):
+    rc = main(["train", "--config", "tiny", "--steps", "1", "--warmup", "0", "--kernels", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [k["name"] for k in r["kernel_forms"]] == ["plain", "cpu"]
+    assert r["kernel_forms"][0]["ratio"] == 1.0 and all(k["ms_per_step"] > 0 for k in r["kernel_forms"])
 
 
 def test_paired_mfu_pairs_each_round_with_the_peak_sampled_after_it():

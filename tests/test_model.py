@@ -48,6 +48,42 @@ def test_scanned_layers_equal_a_layer_loop(variant):
         np.testing.assert_allclose(h, h_scan, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(variant="parent", attn_block_size=32, capacity_factor=1.0)])
+def test_cpu_kernels_compute_the_plain_function(kw):
+    """model.kernels="cpu" (every CPU-tuned form, kernels/select.py) against "plain", in
+    float64: outputs, new state, load balance and the gradients of every parameter, with
+    resets, a carried state, several attention blocks (and one, block 32 > C), capacity."""
+    cfg = config.tiny(**kw)
+    with jax.enable_x64(True):
+        params, state, ids = _tiny_inputs(cfg, B=3, C=19, dtype=jnp.float64)
+        params = move_off_init(params, jax.random.PRNGKey(9))
+        state = jax.tree.map(lambda a: jnp.abs(jax.random.normal(jax.random.PRNGKey(4), a.shape, a.dtype)), state)
+        ids = ids.at[1, 6].set(config.ATOM_BOS)
+
+        def loss(p, kernels):
+            logits, lb, new_state = model.forward_chunk(p, state, ids, cfg.replace(kernels=kernels))
+            return jnp.sum(jnp.tanh(logits)) + lb, (logits, lb, new_state)
+
+        (_, plain), g_plain = jax.value_and_grad(loss, has_aux=True)(params, "plain")
+        (_, cpu), g_cpu = jax.value_and_grad(loss, has_aux=True)(params, "cpu")
+        # the CPU forms are the ones taken (their written-out backwards), and only there
+        assert "custom_vjp_call" in str(jax.make_jaxpr(lambda p: loss(p, "cpu")[0])(params))
+        assert "custom_vjp_call" not in str(jax.make_jaxpr(lambda p: loss(p, "plain")[0])(params))
+    for a, b in zip(jax.tree.leaves((plain, g_plain)), jax.tree.leaves((cpu, g_cpu))):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+    assert float(jnp.abs(g_plain["blocks"]["attn"]["w_qkv"]).max()) > 1e-3
+
+
+def test_kernels_auto_takes_the_cpu_forms_on_a_cpu_only():
+    from fractus_jax.kernels import select
+    on_cpu = jax.default_backend() == "cpu"
+    for form in select.CPU_FORMS:
+        assert select.cpu_tuned("auto", form) == on_cpu
+        assert select.cpu_tuned("cpu", form) and not select.cpu_tuned("plain", form)
+    with pytest.raises(ValueError, match="kernels"):
+        config.tiny(kernels="gpu")
+
+
 @pytest.mark.slow
 def test_row_streams_change_nothing_but_the_schedule():
     """Two row streams give one stream's numbers (same dispatch groups): outputs, state,

@@ -12,14 +12,13 @@ attention does around the kernel, forward and backward:
 
 Implementations:
   chunkwise        the engine's kernel, `linear_attention`, at the default block size (64),
-                   the levels' slices stacked into one call (model._attention calls it once
-                   per level: the same kernel on the same rows, docs/engine.md)
-  chunkwise_b32    the same at block size 32
-  chunkwise_b128   the same at block size 128 (one block per chunk)
-  chunkwise_bcast  chunkwise with the levels as the engine's first layout had them
-                   (broadcast over a level axis, mean over it). Same numbers; on XLA:CPU the
-                   backward's reduction over the 2-long level axis is far slower than adding
-                   two slices (docs/engine.md)
+                   in the engine's plain form: the levels a leading axis of one call, the
+                   carry the mean over it (model._attention with model.kernels="plain")
+  chunkwise_cpu    the same in the engine's CPU forms (kernels/select.py): one call per
+                   level, the carry a sum of slices, one block without a block axis
+  chunkwise_b32    chunkwise at block size 32
+  chunkwise_b128   chunkwise at block size 128 (one block per chunk)
+  chunkwise_b128_cpu  chunkwise_cpu at block size 128
   position_scan    `linear_attention_reference`, a lax.scan over positions
   torch_einsum     the PyTorch parent kind of kernel (`reference.functional.einsum_attention`,
                    a (C, dH, dH) cumulative state per head), backward by autograd
@@ -48,10 +47,10 @@ HEADS, LEVELS, D_HEAD = _1B.n_heads, _1B.n_levels, _1B.d_head     # 20, 2, 64
 CHUNK = 128                                                          # positions per chunk
 ENGINE_BLOCK = _1B.attn_block_size                                   # the engine's default, 64
 DEFAULT = "chunkwise"
-# name -> (block size, None for the position scan; how the levels are laid out around it)
-JAX_IMPLS = {"chunkwise": (ENGINE_BLOCK, "stack"), "chunkwise_b32": (32, "stack"),
-             "chunkwise_b128": (128, "stack"), "chunkwise_bcast": (ENGINE_BLOCK, "broadcast"),
-             "position_scan": (None, "stack")}
+# name -> (block size, None for the position scan; the CPU forms or the plain ones)
+JAX_IMPLS = {"chunkwise": (ENGINE_BLOCK, False), "chunkwise_cpu": (ENGINE_BLOCK, True),
+             "chunkwise_b32": (32, False), "chunkwise_b128": (128, False), "chunkwise_b128_cpu": (128, True),
+             "position_scan": (None, False)}
 TORCH_IMPLS = ("torch_einsum", "torch_loop")
 IMPLS = tuple(JAX_IMPLS) + TORCH_IMPLS
 DEFAULT_IMPLS = tuple(i for i in IMPLS if i != "torch_loop")
@@ -85,30 +84,25 @@ def _jax_step(impl: str):
 
     from fractus_jax.kernels import attention as A
 
-    block, layout = JAX_IMPLS[impl]
+    block, cpu = JAX_IMPLS[impl]
     kernel = (A.linear_attention_reference if block is None
-              else lambda *a: A.linear_attention(*a, block_size=block))
+              else lambda *a: A.linear_attention(*a, block_size=block, cpu_tuned=cpu))
 
     def loss(q, k, v, S0, z0, reset, offsets, probe):
-        B, H, C, d = q.shape
         L = offsets.shape[0]
-        if layout == "stack":
-            # One slice per level, stacked: the backward adds L slices.
-            qf = jnp.stack([A.elu1(q + offsets[l]) for l in range(L)], axis=1)   # (B, L, H, C, dH)
-            kf = jnp.stack([A.elu1(k + offsets[l]) for l in range(L)], axis=1)
-            vl, S0l, z0l = (jnp.stack([a] * L, axis=1) for a in (v, S0, z0))
+        if cpu:
+            # model._attention's CPU form: one call per level, the carry a sum of slices.
+            outs = [kernel(A.elu1(q + offsets[l]), A.elu1(k + offsets[l]), v, S0, z0, reset[:, None, :])
+                    for l in range(L)]
+            y = jnp.stack([o[0] for o in outs], axis=1)                       # (B, L, H, C, dH)
+            carry = (sum(o[1] for o in outs) / L, sum(o[2] for o in outs) / L)
         else:
-            # model._attention's form: broadcast over a level axis (the backward reduces it).
-            off = offsets[None, :, None, None, None]
-            qf, kf = A.elu1(q[:, None] + off), A.elu1(k[:, None] + off)
-            vl = jnp.broadcast_to(v[:, None], (B, L, H, C, d))
-            S0l = jnp.broadcast_to(S0[:, None], (B, L, H, d, d))
-            z0l = jnp.broadcast_to(z0[:, None], (B, L, H, d))
-        y, S, z = kernel(qf, kf, vl, S0l, z0l, reset[:, None, None, :])
-        if layout == "stack":
-            carry = (sum(S[:, l] for l in range(L)) / L, sum(z[:, l] for l in range(L)) / L)
-        else:
-            carry = (S.mean(1), z.mean(1))
+            # The plain form: a leading level axis, the carry the mean over it.
+            omega = offsets[:, None, None, None, None]
+            qf, kf = A.elu1(q + omega), A.elu1(k + omega)                     # (L, B, H, C, dH)
+            S0l, z0l = jnp.broadcast_to(S0, (L, *S0.shape)), jnp.broadcast_to(z0, (L, *z0.shape))
+            y, S, z = kernel(qf, kf, jnp.broadcast_to(v, qf.shape), S0l, z0l, reset[:, None, :])
+            y, carry = jnp.moveaxis(y, 0, 1), (S.mean(0), z.mean(0))
         return jnp.sum(y * probe), carry
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)

@@ -157,6 +157,8 @@ def _paired_mfu(step_s: list[float], peak_s: list[list[float]], step_flops: floa
 def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict:
     import jax
 
+    from fractus_jax.kernels import select    # loaded on use, as jax is here
+
     backend = jax.default_backend()
     sample_peak, peak_flops, peak_kind = peak_sampler(backend)
     # The peak is sampled between rounds of steps, not once before or after them: this
@@ -192,7 +194,9 @@ def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict
            "allocator": hostmem.allocator(), "malloc_hugetlb": hostmem.hugetlb_tunable(),
            "page_faults_per_step": jax_res["page_faults_per_step"],
            # how the step is scheduled: row streams and the MoE dispatch groups they imply
-           "row_streams": cfg.model.row_streams, "moe_group_rows": cfg.model.moe_group_rows}
+           "row_streams": cfg.model.row_streams, "moe_group_rows": cfg.model.moe_group_rows,
+           # which forms the engine ran: "plain", or "cpu" (the CPU-tuned ones, kernels/select.py)
+           "kernels": select.resolved(cfg.model.kernels)}
     paired = _paired_mfu(jax_res["step_s"], rounds, ids_per_step * flops_per_id, peak_flops)
     out["mfu_paired"] = paired / peak_units if paired is not None else None
     if with_torch:
@@ -225,12 +229,24 @@ def compare_dispatch(cfg, rounds: int = 4, steps: int = 3, warmup: int = 2) -> l
     (`rounds` rounds of `steps` timed steps each), so that their ratios share the machine's
     phase: [{dispatch, capacity_factor, ms_per_step, ids_per_s, keep_rate, ratio}], ratio
     against the first (the config's own choice)."""
+    return [{"dispatch": r.pop("name"), **r}
+            for r in compare_models(cfg, dispatch_choices(cfg.model), rounds, steps, warmup)]
+
+
+KERNEL_CHOICES = {"plain": dict(kernels="plain"), "cpu": dict(kernels="cpu")}
+
+
+def compare_models(cfg, choices: dict, rounds: int = 4, steps: int = 3, warmup: int = 2) -> list[dict]:
+    """Times the train step of each engine-config change in `choices` ({name: changes}) in
+    this one process, round robin (`rounds` rounds of `steps` timed steps each), so that
+    their ratios share the machine's phase: [{name, capacity_factor, ms_per_step,
+    ids_per_s, keep_rate, ratio}], ratio against the first."""
     import dataclasses
 
     import jax
 
     runs = []
-    for name, change in dispatch_choices(cfg.model).items():
+    for name, change in choices.items():
         c = dataclasses.replace(cfg, model=cfg.model.replace(**change))
         step, state, batches = build_step(c, 1 + warmup + rounds * steps)
         for b in batches[:1 + warmup]:
@@ -248,7 +264,7 @@ def compare_dispatch(cfg, rounds: int = 4, steps: int = 3, warmup: int = 2) -> l
                 run_["keep"].append(float(metrics["keep_rate"]))
     ids_per_step = cfg.batch_size * cfg.seq_len * cfg.accum
     base = statistics.median(runs[0]["times"])
-    return [{"dispatch": r["name"], "capacity_factor": r["cf"],
+    return [{"name": r["name"], "capacity_factor": r["cf"],
              "ms_per_step": 1e3 * statistics.median(r["times"]),
              "ids_per_s": ids_per_step / statistics.median(r["times"]),
              "keep_rate": statistics.mean(r["keep"]), "ratio": statistics.median(r["times"]) / base}
@@ -288,10 +304,14 @@ def main(argv=None) -> int:
     p.add_argument("--dispatch", action="store_true",
                    help="also time the other MoE dispatch choices (dropless, cf=E/K, cf=4, cf=1.25) "
                         "in this process, round robin")
+    p.add_argument("--kernels", action="store_true",
+                   help="also time the plain kernels against the CPU-tuned ones (model.kernels=plain, cpu) "
+                        "in this process, round robin")
     args = p.parse_args(argv)
     cfg = step_config(args)
     r = run(cfg, args.steps, args.warmup, args.torch)
     streams = f", {r['row_streams']} row streams" if r["row_streams"] > 1 else ""
+    streams += f", {r['kernels']} kernels"
     print(f"{args.config} on {r['devices']} x {r['device_kind']} ({r['backend']}, {r['cores']} cores{streams}): "
           f"{r['ms_per_step']:.1f} ms/step, {r['ids_per_s']:.0f} ids/s (compile {r['compile_s']:.1f} s)")
     print(f"  {r['flops_per_id'] / 1e6:.2f} MFLOP/id (analytic, train), achieved "
@@ -313,6 +333,11 @@ def main(argv=None) -> int:
         for d in r["dispatch"]:
             print(f"    {d['dispatch']:<18} {d['ms_per_step']:8.1f} ms/step {d['ids_per_s']:8.0f} ids/s "
                   f"keep_rate {d['keep_rate']:.3f}  x{d['ratio']:.2f}")
+    if args.kernels:
+        r["kernel_forms"] = compare_models(cfg, KERNEL_CHOICES, warmup=args.warmup)
+        print("  model.kernels, round robin in this process (ratio: step time against plain):")
+        for d in r["kernel_forms"]:
+            print(f"    {d['name']:<18} {d['ms_per_step']:8.1f} ms/step {d['ids_per_s']:8.0f} ids/s  x{d['ratio']:.2f}")
     if args.json:
         print(json.dumps(r))
     return 0

@@ -72,8 +72,10 @@ def _combine_blocks(earlier, later):
     return g1 * g2, g2 * S1 + S2, g2[..., 0] * z1 + z2
 
 
-def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64):
-    """Chunkwise form: masked products inside blocks, block states combined by a scan."""
+def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64, cpu_tuned: bool = False):
+    """Chunkwise form: masked products inside blocks, block states combined by a scan.
+    cpu_tuned: a chunk of one block gets no block axis (the CPU form "one_block",
+    kernels/select.py)."""
     dt = _state_dtype(qf.dtype)
     qf, kf, v = (a.astype(dt) for a in (qf, kf, v))
     *batch, C, dH = qf.shape
@@ -96,9 +98,9 @@ def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64):
         qf, kf, v = (jnp.pad(a, widths) for a in (qf, kf, v))
         reset = jnp.pad(reset, [(0, 0)] * nb + [(0, pad)])
 
-    # Blocks are an axis before the positions: a reshape, no transpose. One block gets no
-    # block axis (a size-1 axis there leads XLA:CPU to slow layouts, ~2.5x at C = c = 128).
-    blocked = n_blocks > 1
+    # Blocks are an axis before the positions: a reshape, no transpose. The CPU form gives
+    # one block no block axis (XLA:CPU chose slow layouts around a size-1 axis there).
+    blocked = n_blocks > 1 or not cpu_tuned
     q, k = qf, kf
     if blocked:
         q, k, v = (a.reshape(*batch, n_blocks, c, dH) for a in (q, k, v))
@@ -125,18 +127,23 @@ def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64):
         # block's ΔS reaches the final state alone. Kept apart, it drops out of the backward
         # when the final state gets no gradient (the engine detaches its carry), instead of
         # being differentiated with a zero cotangent.
-        head = (Ellipsis, slice(None, -1), slice(None), slice(None))
-        dS = jnp.einsum("...id,...ie->...de", k_last[head], v[head])   # (..., n-1, dH, dH)
-        dz = k_last[head].sum(-2)                                      # (..., n-1, dH)
-        g, S_zero, z_zero = jax.lax.associative_scan(
-            _combine_blocks, (gate[..., :-1, :, :], dS, dz), axis=nb)
-        S_enter = S_zero + g * S0[..., None, :, :]                    # entering blocks 1..n-1
-        z_enter = z_zero + g[..., 0] * z0[..., None, :]
-        S_in = jnp.concatenate([S0[..., None, :, :], S_enter], axis=nb)
-        z_in = jnp.concatenate([z0[..., None, :], z_enter], axis=nb)
+        if n_blocks > 1:
+            head = (Ellipsis, slice(None, -1), slice(None), slice(None))
+            dS = jnp.einsum("...id,...ie->...de", k_last[head], v[head])   # (..., n-1, dH, dH)
+            dz = k_last[head].sum(-2)                                      # (..., n-1, dH)
+            g, S_zero, z_zero = jax.lax.associative_scan(
+                _combine_blocks, (gate[..., :-1, :, :], dS, dz), axis=nb)
+            S_enter = S_zero + g * S0[..., None, :, :]                    # entering blocks 1..n-1
+            z_enter = z_zero + g[..., 0] * z0[..., None, :]
+            S_in = jnp.concatenate([S0[..., None, :, :], S_enter], axis=nb)
+            z_in = jnp.concatenate([z0[..., None, :], z_enter], axis=nb)
+            S_last, z_last = S_enter[..., -1, :, :], z_enter[..., -1, :]   # entering the last block
+        else:
+            S_in, z_in = S0[..., None, :, :], z0[..., None, :]
+            S_last, z_last = S0, z0
         k_end, v_end, g_end = k_last[..., -1, :, :], v[..., -1, :, :], gate[..., -1, :, :]
-        S_out = jnp.einsum("...id,...ie->...de", k_end, v_end) + g_end * S_enter[..., -1, :, :]
-        z_out = k_end.sum(-2) + g_end[..., 0] * z_enter[..., -1, :]
+        S_out = jnp.einsum("...id,...ie->...de", k_end, v_end) + g_end * S_last
+        z_out = k_end.sum(-2) + g_end[..., 0] * z_last
     else:
         S_in, z_in = S0, z0
         S_out = jnp.einsum("...id,...ie->...de", k_last, v) + gate * S0
@@ -152,7 +159,6 @@ def elu1(u):
     """ELU(α=1) plus one: strictly positive, the feature map of docs/spec.md §3.1.
 
     Branchless: max(u, 0) + exp(min(u, 0)) is u + 1 above 0 and exp(u) below, and its
-    derivative at 0 is ½ + ½·1 = 1 (JAX splits ties), as ELU's. Without the select
-    XLA:CPU's fused forward and backward ran the bench_small step ~3% faster.
+    derivative at 0 is ½ + ½·1 = 1 (JAX splits ties), as ELU's.
     """
     return jnp.maximum(u, 0.0) + jnp.exp(jnp.minimum(u, 0.0))

@@ -17,7 +17,6 @@ Expert factors (a dict): U1 (E,F,r), V1 (E,D,r), U2 (E,D,r), V2 (E,F,r), scale1,
 """
 from __future__ import annotations
 
-import functools
 import math
 from fractions import Fraction
 
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fractus_jax.kernels.trig import sincos
+from fractus_jax.kernels.trig import sin_cos
 
 _GATE_FLOOR = 1e-10
 
@@ -45,15 +44,15 @@ def farey_phases(n_experts: int) -> np.ndarray:
     return np.array([2.0 * math.pi * float(f) for f in picks], dtype=np.float64)
 
 
-def mean_phase(psi):
+def mean_phase(psi, cpu_tuned: bool = False):
     """θ̄ = atan2(Σ sin ψ, Σ cos ψ) over the oscillator axis."""
-    sin, cos = sincos(psi)
+    sin, cos = sin_cos(psi, cpu_tuned)
     return jnp.arctan2(sin.sum(-1), cos.sum(-1))
 
 
-def gates(theta_bar, expert_phases, kappa_eff: float):
+def gates(theta_bar, expert_phases, kappa_eff: float, cpu_tuned: bool = False):
     """Normalised von Mises gates (..., E); uniform where the sum is ≤ 1e-10."""
-    g = jnp.exp(kappa_eff * sincos(theta_bar[..., None] - expert_phases)[1])
+    g = jnp.exp(kappa_eff * sin_cos(theta_bar[..., None] - expert_phases, cpu_tuned)[1])
     total = g.sum(-1, keepdims=True)
     ok = total > _GATE_FLOOR
     uniform = jnp.full_like(g, 1.0 / g.shape[-1])
@@ -84,52 +83,18 @@ def gelu_tanh(u):
     return 0.5 * u * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * u ** 3)))
 
 
-def _factor_grad(a_ExNxA, g_ExNxR):
-    """Σ_n a[e, n]ᵀ g[e, n]: the (E, A, r) gradient of a factor, computed as (E, r, A) and
-    transposed. Both are batched dots contracting the rows of both operands, which XLA:CPU
-    runs outside YNNPACK; with the narrow r side as the output's rows it ran 1.6-2.8x faster at
-    the bench_small shapes (0.51 against 1.42 ms for A = 256, docs/performance.md). XLA
-    folds a plain transpose back into the product, so a barrier keeps it apart."""
-    g_ExRxA = jnp.einsum("enr,ena->era", g_ExNxR, a_ExNxA)
-    return jax.lax.optimization_barrier(g_ExRxA).transpose(0, 2, 1)
-
-
-_PRODUCT = {True: "ena,ear->enr", False: "enr,ear->ena"}
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _factor_product(rows, w_ExAxR, down: bool):
-    return jnp.einsum(_PRODUCT[down], rows, w_ExAxR)
-
-
-def _factor_product_fwd(rows, w_ExAxR, down):
-    return _factor_product(rows, w_ExAxR, down), (rows, w_ExAxR)
-
-
-def _factor_product_bwd(down, residuals, dy):
-    rows, w_ExAxR = residuals
-    # The rows' gradient is the product the other way; the factor's pairs its A side
-    # (the rows going down, the cotangent going up) with its r side.
-    d_rows = jnp.einsum(_PRODUCT[not down], dy, w_ExAxR)
-    return d_rows, (_factor_grad(rows, dy) if down else _factor_grad(dy, rows))
-
-
-_factor_product.defvjp(_factor_product_fwd, _factor_product_bwd)
-
-
 def rows_down(x_ExNxA, w_ExAxR):
     """x[e] · w[e]: each expert's rows onto its rank-r factor, (E, N, r)."""
-    return _factor_product(x_ExNxA, w_ExAxR, True)
+    return jnp.einsum("ena,ear->enr", x_ExNxA, w_ExAxR)
 
 
 def rows_up(h_ExNxR, w_ExAxR):
     """h[e] · w[e]ᵀ: each expert's rank-r rows back up through its factor, (E, N, A)."""
-    return _factor_product(h_ExNxR, w_ExAxR, False)
+    return jnp.einsum("enr,ear->ena", h_ExNxR, w_ExAxR)
 
 
 def experts_apply(x_ExNxD, f):
-    """Each expert e on its own rows x[e]: the four low-rank products (rows_down, rows_up:
-    their backward is written out for the factors' gradients, see _factor_grad).
+    """Each expert e on its own rows x[e]: the four low-rank products (rows_down, rows_up).
 
     The scales multiply the (F, r) and (D, r) factors rather than the (rows, F) and
     (rows, D) products (equal up to rounding): a pass over the small factors instead of
@@ -267,10 +232,9 @@ def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int):
     einsums keep the expert axis leading (a vmap over groups would put the group axis in
     front and cost a layout transpose per einsum in the backward).
 
-    The combine runs on (G·T, D) rows, not (G, T, D): with a leading group axis of 1 (one
-    group, the default on one device) XLA:CPU's YNNPACK reduction behind its backward ran
-    ~10x slower (1.2 against 0.11 ms for a (1, 1024, 256) against a (1024, 256) sum of
-    products). The gathers keep the group axis, which a multi-device mesh shards.
+    The combine runs on (G·T, D) rows, not (G, T, D) (a leading group axis of 1 slowed
+    XLA:CPU's reduction behind its backward); the gathers keep the group axis, which a
+    multi-device mesh shards.
     """
     if x_TxD.ndim == 2:
         y, kept = moe_capacity(x_TxD[None], idx_TxK[None], w_TxK[None], f, capacity)
@@ -289,8 +253,8 @@ def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int):
     out_GxKxTxD = out_GxKTxD.reshape(n_groups, top_k, n_tokens, d_model)
     kept_GxKxT = kept_A.reshape(n_groups, top_k, n_tokens)
     weight = jnp.where(kept_GxKxT, w_TxK.transpose(0, 2, 1), 0.0).astype(out.dtype)
-    # A sum of K slices, not an einsum over k: XLA:CPU made that one a batched dot of
-    # (1×K)·(K×D) products per token, forward and backward.
+    # A sum of K slices, not an einsum over k (which XLA may lower as a batched dot of
+    # (1×K)·(K×D) products per token).
     rows = n_groups * n_tokens
     y_NxD = sum(weight[:, j].reshape(rows)[:, None] * out_GxKxTxD[:, j].reshape(rows, d_model)
                 for j in range(top_k))

@@ -1,5 +1,8 @@
-"""sin and cos together, vectorised: the Kuramoto field and the MoE phase routing take
-both of the same angles at every position, forward and backward."""
+"""sin and cos of the same angles, as the Kuramoto field and the MoE phase routing take them.
+
+`sin_cos` is jnp.sin and jnp.cos (the plain form), or `sincos`, the CPU-tuned form
+(kernels/select.py): one reduction and two polynomials in multiply-adds, which XLA:CPU runs
+faster than its sin and cos (docs/performance.md)."""
 from __future__ import annotations
 
 import math
@@ -14,13 +17,18 @@ import jax.numpy as jnp
 _PIO2_PARTS = (1.5703125, 4.837512969970703125e-4, 7.549789954891882e-08)
 
 
+def sin_cos(x, cpu_tuned: bool = False):
+    """(sin x, cos x): jnp.sin and jnp.cos, or `sincos` where the CPU form is selected."""
+    if cpu_tuned:
+        return sincos(x)
+    return jnp.sin(x), jnp.cos(x)
+
+
 @jax.custom_jvp
 def sincos(x):
     """(sin x, cos x) for float32 or float64 x, by a reduction to [−π/4, π/4] and Taylor
     polynomials long enough for the dtype (the dropped term: 2e-8 in float32, 2e-18 in
-    float64). On XLA:CPU jnp.sin and jnp.cos together took 8-14 ns per element, these
-    multiply-adds 1-2 ns (docs/engine.md has the command). The Kuramoto
-    field needs both at every RK4 stage, and its backward recomputes them.
+    float64), with the derivative rule d sin = cos, d cos = −sin.
     Errors against float64 numpy for |x| ≤ 1,000 (tests/test_kernels.py): ≤ 1.2e-7 in
     float32, ≤ 4e-16 in float64; NaN for NaN and ±inf.
     """
