@@ -56,11 +56,8 @@ class EngineConfig:
     # function: a fixed number of rows, the same on any mesh (the trainer refuses a group
     # that does not divide the rows one device holds). Unused when dropless.
     moe_group_rows: int = 1
-    # Dropless dispatch: "blocks" runs each expert's assignments in whole blocks of
-    # moe_block_rows rows (at most one partial block per expert); "ragged" runs grouped
-    # matmuls (jax.lax.ragged_dot) over the assignments sorted by expert. One function,
-    # two schedules (docs/engine.md; their speed: docs/performance.md).
-    dropless_kernel: str = "blocks"
+    # Dropless dispatch: each expert's assignments run in whole blocks of this many rows
+    # (at most one partial block per expert; docs/engine.md).
     moe_block_rows: int = 32
     # Dropless dispatch: the batch's rows dispatch as this many independent slices, one
     # per device (the trainer sets it from the mesh) so that no token crosses devices.
@@ -97,8 +94,6 @@ class EngineConfig:
             raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
         if self.moe_group_rows < 0:
             raise ValueError(f"moe_group_rows must be >= 0 (0: the whole batch), got {self.moe_group_rows}")
-        if self.dropless_kernel not in ("blocks", "ragged"):
-            raise ValueError(f"dropless_kernel must be 'blocks' or 'ragged', got {self.dropless_kernel!r}")
         if self.moe_block_rows < 1 or self.moe_shards < 1:
             raise ValueError(f"moe_block_rows and moe_shards must be >= 1, got {self.moe_block_rows}, "
                              f"{self.moe_shards}")

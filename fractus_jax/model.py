@@ -326,10 +326,7 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, mm_dtype):
     factors = {k: (v.astype(mm_dtype) if k != "expert_phases" else v) for k, v in p.items()}
     x_GxTxD = x_BxCxD.reshape(n_groups, T, D).astype(mm_dtype)
     idx_GxTxK, w_GxTxK = idx.reshape(n_groups, T, K), w.reshape(n_groups, T, K).astype(mm_dtype)
-    if cfg.capacity_factor is None and cfg.dropless_kernel == "ragged":
-        y = moe_k.moe_ragged(x_GxTxD, idx_GxTxK, w_GxTxK, factors)
-        kept = jnp.ones(idx_GxTxK.shape, bool)
-    elif cfg.capacity_factor is None:
+    if cfg.capacity_factor is None:
         y = moe_k.moe_dropless(x_GxTxD, idx_GxTxK, w_GxTxK, factors, cfg.moe_block_rows)
         kept = jnp.ones(idx_GxTxK.shape, bool)
     else:

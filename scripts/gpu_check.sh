@@ -6,7 +6,7 @@
 #   profile.json     bench profile of that step: op time by component, pass and kind
 #   attention.json   bench attention at the 1B shapes
 #   dispatch.json    bench train --dispatch at DISPATCH_CONFIG (bench_small): every MoE
-#                    dispatch choice (dropless blocks / ragged_dot, capacity paths), round robin
+#                    dispatch choice (dropless, capacity paths), round robin
 #   log.txt, raw.tgz what ran, and every command's full output
 # Usage: OUT=/some/dir scripts/gpu_check.sh
 #   Where JAX already sees a GPU (an image with jax and its CUDA plugin) nothing is

@@ -34,7 +34,7 @@ def _skewed_routing(key, T, E, K, dtype=jnp.float64):
     return M.top_k_route(g, K)
 
 
-@pytest.mark.parametrize("block", [1, 3, 8, 64, "ragged"])
+@pytest.mark.parametrize("block", [1, 3, 8, 64])
 def test_dropless_equals_exact_forward_and_gradients(block):
     with jax.enable_x64(True):
         T, E, K = 37, 8, 2
@@ -43,7 +43,7 @@ def test_dropless_equals_exact_forward_and_gradients(block):
         idx, w = _skewed_routing(jax.random.PRNGKey(2), T, E, K)
         counts = np.bincount(np.asarray(idx).ravel(), minlength=E)
         assert counts.max() > T * K / E and (counts == 0).any()      # crowded and empty experts
-        dropless = M.moe_ragged if block == "ragged" else (lambda *a: M.moe_dropless(*a, block))
+        dropless = lambda *a: M.moe_dropless(*a, block)  # noqa: E731
         y = dropless(x, idx, w, f)
         y_ref = M.moe_exact(x, idx, w, f)
         assert float(jnp.abs(y_ref).max()) > 1e-2
@@ -64,9 +64,9 @@ def test_dropless_groups_are_independent():
             idx, w = _skewed_routing(jax.random.PRNGKey(10 + s), 16, 8, 2)
             parts.append((jax.random.normal(jax.random.PRNGKey(20 + s), (16, 12), jnp.float64), idx, w))
         stacked = [jnp.stack(p) for p in zip(*parts)]
-        for y in (M.moe_dropless(*stacked, f, 4), M.moe_ragged(*stacked, f)):
-            for g, (x, idx, w) in enumerate(parts):
-                np.testing.assert_allclose(y[g], M.moe_exact(x, idx, w, f), rtol=1e-12, atol=1e-12)
+        y = M.moe_dropless(*stacked, f, 4)
+        for g, (x, idx, w) in enumerate(parts):
+            np.testing.assert_allclose(y[g], M.moe_exact(x, idx, w, f), rtol=1e-12, atol=1e-12)
 
 
 def test_dropless_block_count_bounds_any_routing():
@@ -78,14 +78,13 @@ def test_dropless_block_count_bounds_any_routing():
     assert M.dropless_blocks(T, E, K, 1) == T * K
 
 
-@pytest.mark.parametrize("variant, kernel", [("atom", "blocks"), ("parent", "blocks"), ("atom", "ragged")])
-def test_engine_dropless_equals_capacity_at_e_over_k(variant, kernel):
+@pytest.mark.parametrize("variant", ["atom", "parent"])
+def test_engine_dropless_equals_capacity_at_e_over_k(variant):
     """The engine's default dispatch against the capacity path with room for everything
     (cf = E/K: the exact routing, padded), float64, forward, state and gradients."""
     cfg = config.tiny(variant=variant, bos_id=None if variant == "parent" else config.ATOM_BOS)
     assert cfg.capacity_factor is None
     padded = cfg.replace(capacity_factor=cfg.n_experts / cfg.top_k)
-    cfg = cfg.replace(dropless_kernel=kernel)
     with jax.enable_x64(True):
         params = model.init_params(cfg, jax.random.PRNGKey(0), jnp.float64)
         params = move_off_init(params, jax.random.PRNGKey(1))

@@ -211,10 +211,9 @@ def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict
 
 def dispatch_choices(model) -> dict:
     """The MoE dispatch choices compared by `--dispatch`, as engine-config changes: the
-    config's own first, then dropless by blocks and by ragged_dot, the capacity path at
+    config's own first, then dropless (expert blocks), the capacity path at
     cf = E/K (the same routing, padded) and the dropping cf = 4 and 1.25."""
-    choices = {"dropless blocks": dict(capacity_factor=None, dropless_kernel="blocks"),
-               "dropless ragged": dict(capacity_factor=None, dropless_kernel="ragged"),
+    choices = {"dropless": dict(capacity_factor=None),
                "cf=E/K": dict(capacity_factor=model.n_experts / model.top_k),
                "cf=4": dict(capacity_factor=4.0), "cf=1.25": dict(capacity_factor=1.25)}
 

@@ -172,33 +172,6 @@ def moe_dropless(x_TxD, idx_TxK, w_TxK, f, block: int):
     return jnp.einsum("gtk,gtkd->gtd", w_TxK.astype(out.dtype), out_GxTxKxD)
 
 
-def moe_ragged(x_TxD, idx_TxK, w_TxK, f):
-    """Every assignment to its expert, no capacity, by `jax.lax.ragged_dot`: the
-    assignments sorted by expert, each factor product one grouped matmul over the sorted
-    rows. Takes (T, ·) or (G, T, ·) (groups are flattened: dropless routing has no
-    groups). The same function as `moe_dropless`; which is faster depends on the backend
-    (docs/performance.md)."""
-    if x_TxD.ndim == 3:
-        G, T, _ = x_TxD.shape
-        y = moe_ragged(x_TxD.reshape(G * T, -1), idx_TxK.reshape(G * T, -1), w_TxK.reshape(G * T, -1), f)
-        return y.reshape(G, T, -1)
-    n_tokens, top_k = idx_TxK.shape
-    n_experts, d_model = f["b2"].shape
-    expert_A = idx_TxK.reshape(-1)
-    order_A = jnp.argsort(expert_A, stable=True)
-    expert_S = expert_A[order_A]
-    sizes_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
-    x_SxD = x_TxD[order_A // top_k]
-    U1 = (f["scale1"] * f["U1"]).transpose(0, 2, 1)                     # (E, r, F)
-    U2 = (f["scale2"] * f["U2"]).transpose(0, 2, 1)                     # (E, r, D)
-    h = jax.lax.ragged_dot(x_SxD, f["V1"], sizes_E)
-    u = gelu_tanh(jax.lax.ragged_dot(h, U1, sizes_E) + f["b1"][expert_S])
-    h = jax.lax.ragged_dot(u, f["V2"], sizes_E)
-    o_SxD = jax.lax.ragged_dot(h, U2, sizes_E) + f["b2"][expert_S]
-    o_AxD = jnp.zeros_like(o_SxD).at[order_A].set(o_SxD, unique_indices=True)
-    return jnp.einsum("tk,tkd->td", w_TxK.astype(o_AxD.dtype), o_AxD.reshape(n_tokens, top_k, d_model))
-
-
 def expert_capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor) -> int:
     """ceil(cf·T·K/E), at most T (an expert cannot receive a token twice); None means T."""
     if capacity_factor is None:
