@@ -36,3 +36,13 @@ def corpus_file(tmp_path_factory):
     texts = [p.read_text() for p in sorted(root.rglob("*.py"))]
     np.concatenate([encode(t) for t in texts]).astype("<u2").tofile(path)
     return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's caches of compiled programs after each test module. Each XLA:CPU
+    executable holds a few memory maps of its own; a full run compiles thousands, and a
+    process that reached the kernel's map limit (vm.max_map_count) crashed inside XLA's
+    compiler instead of failing a test."""
+    yield
+    jax.clear_caches()
