@@ -29,6 +29,7 @@ from fractus_jax import model
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
+from fractus_jax.train import plan as plan_lib
 
 CHOICES = {"dropless": None, "cf=4": 4.0, "cf=1.25": 1.25}
 LANES, CHUNKS = 8, 4
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, cf in CHOICES.items():
             cfg = dataclasses.replace(base, model=base.model.replace(capacity_factor=cf))
-            plan = loop.prepare(cfg, Path(tmp) / name, progress=False)
+            plan = plan_lib.prepare(cfg, Path(tmp) / name, progress=False)
             chunks = held_out(plan.corpus.ids, cfg.seq_len)
             lane = plan.corpus.n_ids // cfg.batch_size
             if plan.start_pos + steps * cfg.accum * cfg.seq_len + 1 > lane - LANES * (CHUNKS * cfg.seq_len + 1):

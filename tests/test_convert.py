@@ -24,6 +24,7 @@ from fractus_jax.reference import FractusEngine  # noqa: E402
 from fractus_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from fractus_jax.train import config as cfg_lib  # noqa: E402
 from fractus_jax.train import loop  # noqa: E402
+from fractus_jax.train import plan as plan_lib  # noqa: E402
 from fractus_jax.train import state as state_lib  # noqa: E402
 from fractus_jax.train.data import LaneReader  # noqa: E402
 
@@ -35,7 +36,7 @@ def tiny(corpus_file, *overrides):
 
 
 def train(cfg, workdir):
-    plan = loop.prepare(cfg, workdir, progress=False)
+    plan = plan_lib.prepare(cfg, workdir, progress=False)
     loop.run(plan, progress=False, log=lambda m: None)
     return plan
 

@@ -19,6 +19,7 @@ from fractus_jax.eval.__main__ import main as eval_main
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
+from fractus_jax.train import plan as plan_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 VAL = ["val_fraction=0.1", "eval_every=3", "val_ids=512", "val_lanes=4"]
@@ -33,7 +34,7 @@ def run(corpus_file, tmp_path_factory):
     """(cfg, run dir, plan): the tiny config, 6 steps, the last tenth of the corpus held out."""
     workdir = tmp_path_factory.mktemp("eval") / "run"
     cfg = tiny(corpus_file, *VAL)
-    plan = loop.prepare(cfg, workdir, progress=False)
+    plan = plan_lib.prepare(cfg, workdir, progress=False)
     loop.run(plan, progress=False, log=lambda m: None)
     return cfg, workdir, plan
 
@@ -174,7 +175,7 @@ def test_refusals_exit_2_with_one_error_line(run, corpus_file, tmp_path, capsys)
     ids[777] = 300
     ids.tofile(bad)
     other = tmp_path / "other"
-    plan = loop.prepare(tiny(corpus_file, "max_steps=1"), other, progress=False)
+    plan = plan_lib.prepare(tiny(corpus_file, "max_steps=1"), other, progress=False)
     loop.run(plan, progress=False, log=lambda m: None)
     cases = [
         (["--ckpt", str(tmp_path / "nope")], ["nope", "not found"]),

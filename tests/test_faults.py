@@ -23,7 +23,10 @@ import pytest
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop, rundir
+from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import state as state_lib
+from fractus_jax.train.errors import StalledError
+from fractus_jax.train.watch import SkipWatch
 from fractus_jax.train.__main__ import main as train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +40,7 @@ def tiny(corpus_file, *overrides):
 def train(cfg, workdir):
     """(last metrics, log lines) of the trainer on workdir, in this process."""
     logs = []
-    last = loop.run(loop.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
+    last = loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
     return last, logs
 
 
@@ -163,7 +166,7 @@ def test_a_real_kill_9_between_commit_and_manifest(runs, corpus_file, tmp_path):
     d = tmp_path / "run"
     code = textwrap.dedent(f"""
         import os, signal
-        from fractus_jax.train import checkpoint as ckpt_lib, config as cfg_lib, loop
+        from fractus_jax.train import checkpoint as ckpt_lib, config as cfg_lib, loop, plan as plan_lib
         write = ckpt_lib.write_checksums
         def die_at_4(step_dir, finite):
             if step_dir.name == "4":
@@ -172,7 +175,7 @@ def test_a_real_kill_9_between_commit_and_manifest(runs, corpus_file, tmp_path):
         ckpt_lib.write_checksums = die_at_4
         cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"),
                                       ["corpus={corpus_file}", "save_every=2", "max_steps=4"])
-        loop.run(loop.prepare(cfg, {str(d)!r}, progress=False), progress=False, log=print)
+        loop.run(plan_lib.prepare(cfg, {str(d)!r}, progress=False), progress=False, log=print)
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
@@ -443,22 +446,22 @@ def test_lr_1e30_stops_after_k_skipped_steps_and_all_json_stays_finite(corpus_fi
 
 def test_skipped_step_warnings_are_rate_limited():
     logs = []
-    watch = loop._SkipWatch(0, 1e-3, logs.append)
+    watch = SkipWatch(0, 1e-3, logs.append)
     for step in range(1, 101):
         watch.observe(step, 1.0, None)
     assert len(logs) == 7   # 1, 2, 4, ..., 64 in a row
     watch.observe(101, 0.0, None)
     assert logs[-1] == "note: step 101 trained again after 100 skipped steps"
-    stop = loop._SkipWatch(3, 1e30, logs.append)
+    stop = SkipWatch(3, 1e30, logs.append)
     stop.observe(7, 0.0, lambda: 6)
     stop.observe(8, 1.0, lambda: 6)
     stop.observe(9, 1.0, lambda: 6)
-    with pytest.raises(loop.StalledError, match="steps 8-10: 3 steps in a row.*The last checkpoint, step 6, is from "
+    with pytest.raises(StalledError, match="steps 8-10: 3 steps in a row.*The last checkpoint, step 6, is from "
                        "before the first skipped step"):
         stop.observe(10, 1.0, lambda: 6)
-    stop = loop._SkipWatch(2, 1e30, logs.append)
+    stop = SkipWatch(2, 1e30, logs.append)
     stop.observe(8, 1.0, lambda: 9)
-    with pytest.raises(loop.StalledError, match=r"from step 7 on \(the last: step 9\) hold these weights"):
+    with pytest.raises(StalledError, match=r"from step 7 on \(the last: step 9\) hold these weights"):
         stop.observe(9, 1.0, lambda: 9)
 
 

@@ -23,6 +23,8 @@ from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import loop
+from fractus_jax.train.errors import TrainError
+from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
 from fractus_jax.train.config import MeshConfig, TrainConfig
@@ -40,7 +42,7 @@ def trained(corpus_file, tmp_path_factory):
     """(cfg, run dir at step 2)."""
     cfg = tiny(corpus_file, "max_steps=2", "save_every=2")
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    loop.run(loop.prepare(cfg, run_dir, progress=False), progress=False, log=lambda m: None)
+    loop.run(plan_lib.prepare(cfg, run_dir, progress=False), progress=False, log=lambda m: None)
     return cfg, run_dir
 
 
@@ -211,7 +213,7 @@ def test_training_resumes_from_the_grown_directory(corpus_file, grown, tmp_path)
     manifest = ckpt_lib.read_manifest(work)
     shape = grow_run.resume_overrides(manifest["growth"])   # the grown shape, given explicitly
     cfg = tiny(corpus_file, "max_steps=3", *shape)
-    plan = loop.prepare(cfg, work, progress=False)
+    plan = plan_lib.prepare(cfg, work, progress=False)
     assert (plan.resume_step, plan.start_pos) == (2, manifest["start_token_next"])
     loop.run(plan, progress=False, log=lambda m: None)
     after = ckpt_lib.read_manifest(work)
@@ -229,7 +231,7 @@ def test_the_trainer_keeps_the_growth_history_in_later_manifests(corpus_file, gr
     shutil.copytree(out, work)
     manifest = ckpt_lib.read_manifest(work)
     cfg = tiny(corpus_file, "max_steps=3", *grow_run.resume_overrides(manifest["growth"]))
-    loop.run(loop.prepare(cfg, work, progress=False), progress=False, log=lambda m: None)
+    loop.run(plan_lib.prepare(cfg, work, progress=False), progress=False, log=lambda m: None)
     assert ckpt_lib.read_manifest(work).get("growth") == manifest["growth"]
 
 
@@ -374,14 +376,14 @@ def test_a_grown_run_resumes_from_its_original_command_line(corpus_file, grown, 
     manifest = ckpt_lib.read_manifest(work)
     cfg = tiny(corpus_file, f"max_steps={manifest['step'] + 1}")
     assert cfg.model.n_layers != manifest["config"]["model"]["n_layers"]
-    loop.run(loop.prepare(cfg, work, progress=False), progress=False, log=lambda m: None)
+    loop.run(plan_lib.prepare(cfg, work, progress=False), progress=False, log=lambda m: None)
     after = ckpt_lib.read_manifest(work)
     assert after["step"] == manifest["step"] + 1
     assert after["config"]["model"]["n_layers"] == manifest["config"]["model"]["n_layers"]
     # Another shape that no growth record explains is still refused.
     bad = tiny(corpus_file, "max_steps=9", "model.expert_d_ff=64")
-    with pytest.raises(loop.TrainError, match="differs"):
-        loop.prepare(bad, work, progress=False)
+    with pytest.raises(TrainError, match="differs"):
+        plan_lib.prepare(bad, work, progress=False)
 
 
 IN_PLACE = ["max_steps=4", "save_every=100", "grow_at=2", "grow.add_layers=1", "grow.siren_rank=12"]
@@ -392,7 +394,7 @@ def grown_in_place(corpus_file, tmp_path_factory):
     """A run the trainer grew in place at step 2 (+1 layer, rank 8 -> 12) and trained to step 4:
     it holds step 2 at the old shape and step 4 at the grown one. Tests that train on copy it."""
     work = tmp_path_factory.mktemp("in_place") / "run"
-    loop.run(loop.prepare(tiny(corpus_file, *IN_PLACE), work, progress=False), progress=False, log=lambda m: None)
+    loop.run(plan_lib.prepare(tiny(corpus_file, *IN_PLACE), work, progress=False), progress=False, log=lambda m: None)
     return work
 
 
@@ -414,7 +416,7 @@ def test_the_trainer_grows_in_place_at_grow_at(corpus_file, grown_in_place, tmp_
     assert meta["config"]["model"]["n_layers"] == 2
     # The same command line resumes the grown run, and does not grow it again.
     line[0] = "max_steps=5"
-    loop.run(loop.prepare(tiny(corpus_file, *line), work, progress=False), progress=False, log=lambda m: None)
+    loop.run(plan_lib.prepare(tiny(corpus_file, *line), work, progress=False), progress=False, log=lambda m: None)
     manifest = ckpt_lib.read_manifest(work)
     assert manifest["step"] == 5 and len(manifest["growth"]) == 1
     assert manifest["config"]["model"]["n_layers"] == 3

@@ -2,11 +2,14 @@
 the agreement of two processes (threads here) through an injected gather and through a
 key-value store like the coordination service's. The two-process runs are in
 tests/test_multihost_faults.py."""
+import os
+import signal
 import threading
 
 import pytest
 
 from fractus_jax.train import policy
+from fractus_jax.train.errors import TrainError
 from fractus_jax.train.policy import Decision, StopSavePolicy, Vote, decide
 
 
@@ -248,3 +251,21 @@ def test_each_run_in_a_process_has_its_own_keys():
     client = FakeClient()
     a, b = policy.KeyValueExchange(client, 0, 2), policy.KeyValueExchange(client, 0, 2)
     assert a.prefix != b.prefix
+
+
+def test_the_stop_flag_records_a_signal_and_restores_the_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    with policy.StopFlag() as flag:
+        assert flag.signal is None
+        os.kill(os.getpid(), signal.SIGTERM)   # delivered to the main thread before kill returns
+        assert flag.signal == "SIGTERM"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # a second Ctrl-C interrupts
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_deadline_is_unix_seconds_or_an_iso_time():
+    assert policy.parse_deadline("") is None
+    assert policy.parse_deadline("1764612000.5") == 1764612000.5
+    assert policy.parse_deadline("2026-12-01T18:00+00:00") == 1796148000.0
+    with pytest.raises(TrainError, match="neither unix seconds nor an ISO time"):
+        policy.parse_deadline("tomorrow")

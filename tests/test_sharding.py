@@ -14,6 +14,7 @@ from fractus_jax import sharding
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
+from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.data import LaneReader, global_batch
 from fractus_jax.train.step import batch_shardings, jit_train_step
@@ -125,7 +126,7 @@ def test_two_processes_on_localhost_match_one(corpus_file, tmp_path):
 
     one = tmp_path / "one"
     cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [o.split("=", 1)[1] for o in overrides])
-    loop.run(loop.prepare(cfg, one, progress=False), progress=False, log=lambda m: None)
+    loop.run(plan_lib.prepare(cfg, one, progress=False), progress=False, log=lambda m: None)
 
     def params(d):
         c = cfg_lib.resolve_for_mesh(cfg)

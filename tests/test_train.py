@@ -18,8 +18,11 @@ from fractus_jax.config import EngineConfig
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
+from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import progress as progress_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
+from fractus_jax.train.errors import TrainError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +33,7 @@ def tiny(corpus_file, *overrides):
 
 
 def train(cfg, workdir):
-    plan = loop.prepare(cfg, workdir, progress=False)
+    plan = plan_lib.prepare(cfg, workdir, progress=False)
     return loop.run(plan, progress=False, log=lambda m: None)
 
 
@@ -212,7 +215,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(corpus_file, tmp_path):
 
 def _deadline_run(cfg, workdir):
     logs = []
-    last = loop.run(loop.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
+    last = loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
     manifest = ckpt_lib.read_manifest(workdir)
     assert manifest["step"] == last["step"] and "(deadline near)" in logs[-1], logs
     state, meta = restore(workdir, cfg)
@@ -244,12 +247,12 @@ def test_embedded_default_corpus_is_built_once_and_trains(tmp_path, monkeypatch)
     monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
     cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), ["max_steps=1", "save_every=1"])
     assert cfg.corpus == ""
-    plan = loop.prepare(cfg, tmp_path / "run", progress=False)
+    plan = plan_lib.prepare(cfg, tmp_path / "run", progress=False)
     built = list((tmp_path / "cache").glob("*.u16"))
     assert len(built) == 1 and plan.corpus.n_ids > 1_000_000
     mtime = built[0].stat().st_mtime_ns
     loop.run(plan, progress=False, log=lambda m: None)
-    loop.prepare(cfg.__class__(**{**cfg.__dict__, "max_steps": 2}), tmp_path / "run", progress=False)
+    plan_lib.prepare(cfg.__class__(**{**cfg.__dict__, "max_steps": 2}), tmp_path / "run", progress=False)
     assert built[0].stat().st_mtime_ns == mtime   # reused, not rebuilt
     text = bytes(np.asarray(plan.corpus.ids[:20000])[np.asarray(plan.corpus.ids[:20000]) < 256].astype(np.uint8))
     assert b"def " in text or b"import " in text   # real code
@@ -427,12 +430,12 @@ def test_progress_bar_says_compiling_and_its_eta_starts_after_the_first_step(mon
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
     clock = [1000.0]
-    bar = loop._progress_bar(60, 0, True, "compiling the train step")
+    bar = progress_lib.progress_bar(60, 0, True, "compiling the train step")
     bar._time = lambda: clock[0]
     bar.start_t = bar.last_print_t = clock[0]
     assert "compiling the train step" in stream.getvalue()
     clock[0] += 48.0                      # the first step waited for the compilation
-    loop._bar_compiled(bar, 1, 48.0)
+    progress_lib.bar_compiled(bar, 1, 48.0)
     for _ in range(9):                    # then 4 steps a second
         clock[0] += 0.25
         bar.update(1)
@@ -527,8 +530,8 @@ def test_the_allocator_note_is_one_short_line(monkeypatch):
 def test_fields_that_conflict_are_refused_before_anything_is_written(overrides, words, corpus_file, tmp_path,
                                                                      monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(loop.TrainError) as e:
-        loop.prepare(tiny(corpus_file, *overrides), tmp_path / "run", progress=False)
+    with pytest.raises(TrainError) as e:
+        plan_lib.prepare(tiny(corpus_file, *overrides), tmp_path / "run", progress=False)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
     assert not (tmp_path / "run").exists()
@@ -572,7 +575,7 @@ def test_a_resumed_run_continues_the_same_learning_rate_curve(corpus_file, tmp_p
     train(cfg, tmp_path / "straight")
     logs = []
     train(cfg_lib.apply_overrides(cfg, ["max_steps=3"]), tmp_path / "split")
-    plan = loop.prepare(cfg, tmp_path / "split", progress=False)
+    plan = plan_lib.prepare(cfg, tmp_path / "split", progress=False)
     assert plan.resume_step == 3
     loop.run(plan, progress=False, log=logs.append)
     assert not any("schedule differs" in line for line in logs)
@@ -587,6 +590,6 @@ def test_a_resumed_run_continues_the_same_learning_rate_curve(corpus_file, tmp_p
     assert values[2] > values[3] > values[4] > values[5] == pytest.approx(3e-4, rel=1e-6)
     # the saved config holds the schedule; a resume with another one says so
     assert ckpt_lib.read_manifest(tmp_path / "split")["config"]["lr_schedule"] == "cosine"
-    note = loop.schedule_change_note(cfg.to_dict(), cfg_lib.apply_overrides(cfg, ["lr_floor=1e-4"]), 6)
+    note = plan_lib.schedule_change_note(cfg.to_dict(), cfg_lib.apply_overrides(cfg, ["lr_floor=1e-4"]), 6)
     assert "lr_floor 0.0003 -> 0.0001" in note and "step 6" in note
-    assert loop.schedule_change_note({"lr": cfg.lr, "warmup_steps": cfg.warmup_steps}, tiny(corpus_file), 6) is None
+    assert plan_lib.schedule_change_note({"lr": cfg.lr, "warmup_steps": cfg.warmup_steps}, tiny(corpus_file), 6) is None

@@ -12,7 +12,9 @@ import jax
 from fractus_jax import hostmem
 from fractus_jax.atom.corpus import CorpusError
 from fractus_jax.train import checkpoint, config, data, loop
-from fractus_jax.train.loop import METRICS
+from fractus_jax.train import plan as plan_lib
+from fractus_jax.train.errors import TrainError
+from fractus_jax.train.rundir import METRICS
 
 
 def parse_args(argv=None):
@@ -48,12 +50,12 @@ def init_distributed(args) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    user_errors = (config.ConfigError, loop.TrainError, CorpusError, checkpoint.CheckpointError, data.DataError)
+    user_errors = (config.ConfigError, TrainError, CorpusError, checkpoint.CheckpointError, data.DataError)
     init_distributed(args)
     lead = jax.process_index() == 0
     try:
         cfg = config.apply_overrides(config.load_config(args.config), args.overrides)
-        plan = loop.prepare(cfg, args.workdir, progress=not args.no_progress)
+        plan = plan_lib.prepare(cfg, args.workdir, progress=not args.no_progress)
         # The run is about to train: the allocator's note now (not on a refused run).
         note = hostmem.cpu_training_note(jax.default_backend())
         if note and lead:

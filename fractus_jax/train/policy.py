@@ -13,14 +13,19 @@ here, once per step, for every process:
   old steps, which is collective too).
 
 Process 0 decides; each process gets the decision of each step before acting on it. In a
-one-process run nothing is exchanged: the decision is that process's own view.
+one-process run nothing is exchanged: the decision is that process's own view. A process
+notes its signals with `StopFlag`; the deadline is read by `parse_deadline`.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import signal
 import time
 from typing import Callable, Optional, Sequence
+
+from fractus_jax.train.errors import TrainError
 
 # The policy's clock (tests give a process another one).
 clock: Callable[[], float] = time.time
@@ -196,3 +201,45 @@ class StopSavePolicy:
 
     def close(self) -> None:
         self.exchange.close()
+
+
+def parse_deadline(text: str) -> Optional[float]:
+    """The config's deadline as unix seconds (None: none): unix seconds, or an ISO time
+    (local time without a zone)."""
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        t = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise TrainError(f"deadline {text!r} is neither unix seconds nor an ISO time (2026-12-01T18:00)") from None
+    if t.tzinfo is None:
+        t = t.astimezone()  # local time
+    return t.timestamp()
+
+
+class StopFlag:
+    """SIGTERM/SIGINT: finish the current step, save, exit 0. A second SIGINT interrupts."""
+
+    def __init__(self):
+        self.signal = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, _frame):
+        self.signal = signal.Signals(signum).name
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)

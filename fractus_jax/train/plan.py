@@ -1,0 +1,234 @@
+"""Planning a run: every check a user can fail, before anything is written.
+
+`prepare` opens the corpus, cuts it into the part the lanes read and the part held out,
+finds the step a run directory resumes from and checks that the config can continue it.
+A refused run leaves the disk as it was (docs/training.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Optional
+
+import jax
+
+from fractus_jax.atom import corpus as corpus_lib
+from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
+from fractus_jax.config import WEIGHT_FIELDS
+from fractus_jax.eval import EvalError, lane_layout
+from fractus_jax.grow import GrowthError
+from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import growth as growth_lib
+from fractus_jax.train import rundir
+from fractus_jax.train.config import TrainConfig, resolve_for_mesh
+from fractus_jax.train.data import DataError, LaneReader
+from fractus_jax.train.errors import TrainError
+
+
+@dataclasses.dataclass
+class CorpusPart:
+    """Ids [start, start + n_ids) of a corpus: what the lanes read, or the held-out part."""
+    corpus: object
+    start: int
+    n_ids: int
+
+    @property
+    def ids(self):
+        return self.corpus.ids[self.start:self.start + self.n_ids]
+
+    @property
+    def path(self):
+        return self.corpus.path
+
+    def describe(self) -> dict:
+        return {"path": str(Path(self.corpus.path).resolve()), "start": self.start, "n_ids": self.n_ids}
+
+
+def split_corpus(corpus, val_fraction: float) -> tuple[CorpusPart, Optional[CorpusPart]]:
+    """(the part the lanes read, the part held out from its end or None): the last
+    floor(val_fraction · n_ids) ids are held out."""
+    n_val = int(corpus.n_ids * val_fraction)
+    train = CorpusPart(corpus, 0, corpus.n_ids - n_val)
+    return train, (CorpusPart(corpus, train.n_ids, n_val) if n_val else None)
+
+
+@dataclasses.dataclass
+class Plan:
+    cfg: TrainConfig
+    workdir: Path
+    corpus: object
+    resume_step: Optional[int]
+    start_pos: int
+    manifest: Optional[dict]   # the meta of the step to resume from (the manifest's facts)
+    rejected: list = dataclasses.field(default_factory=list)   # (step, why) of newer steps that failed
+    note: Optional[str] = None   # about the step to resume from (no checksums to check)
+    train: Optional[CorpusPart] = None   # what the lanes read (the whole corpus without val_fraction)
+    val: Optional[CorpusPart] = None     # the held-out part (val_fraction's tail or val_corpus)
+
+    def __post_init__(self):
+        if self.train is None:
+            self.train = CorpusPart(self.corpus, 0, self.corpus.n_ids)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FRACTUS_CACHE", Path.home() / ".cache" / "fractus_jax"))
+
+
+def open_training_corpus(cfg: TrainConfig, progress: bool = True):
+    path = cfg.corpus
+    if not path:
+        if cfg.model.vocab_size != ATOM_VOCAB:
+            raise TrainError("no corpus set: the embedded default corpus is an Atom (266-id) stream, "
+                             f"this model's vocab is {cfg.model.vocab_size}; pass --set corpus=FILE")
+        path = corpus_lib.build_default_corpus(cache_dir(), progress=progress)
+    try:
+        corpus = corpus_lib.open_corpus(path)
+        corpus.validate(vocab=cfg.model.vocab_size)
+    except corpus_lib.CorpusError as e:
+        raise TrainError(str(e)) from None
+    return corpus
+
+
+def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
+    """Every check a user can fail, before anything is written to workdir."""
+    workdir = Path(workdir)
+    n = cfg.mesh.data * cfg.mesh.fsdp
+    if n > jax.device_count():
+        raise TrainError(f"mesh data={cfg.mesh.data} x fsdp={cfg.mesh.fsdp} needs {n} devices, "
+                         f"{jax.device_count()} available")
+    if cfg.batch_size % n:
+        raise TrainError(f"batch_size {cfg.batch_size} is not divisible by the mesh's {n} devices "
+                         f"(data={cfg.mesh.data} x fsdp={cfg.mesh.fsdp})")
+    cfg = resolve_for_mesh(cfg)
+    if cfg.grow_at:
+        try:
+            growth_lib.target_config(cfg, growth_lib.spec_of(cfg))
+        except GrowthError as e:
+            raise TrainError(f"grow_at={cfg.grow_at}: {e}") from None
+    rows = cfg.model.moe_group_rows
+    if cfg.model.capacity_factor is not None and (cfg.batch_size // n) % (rows or cfg.batch_size):
+        raise TrainError(f"model.moe_group_rows={rows} ({rows or cfg.batch_size} rows per capacity group) does not "
+                         f"divide the {cfg.batch_size // n} rows each of the {n} devices holds: a group would "
+                         f"span devices (set model.moe_group_rows to a divisor of {cfg.batch_size // n})")
+    streams = cfg.model.row_streams
+    if streams > 1 and n > 1:
+        raise TrainError(f"model.row_streams={streams} is for one device: a mesh of {n} devices "
+                         "already runs its rows apart (set model.row_streams=1)")
+    if streams > 1 and (rows == 0 or cfg.batch_size % (streams * rows)):
+        raise TrainError(f"batch_size {cfg.batch_size} does not split into model.row_streams={streams} "
+                         f"streams of whole MoE dispatch groups (model.moe_group_rows={rows}; "
+                         "0 makes the batch one group)")
+    for problem in cfg.conflicts():
+        raise TrainError(problem)
+    if workdir.exists() and not workdir.is_dir():
+        raise TrainError(f"workdir {workdir} exists and is not a directory")
+    manifest, rejected, note = resume_point(workdir)
+    if manifest is not None:
+        cfg = growth_lib.grown_model_for(cfg, manifest) or cfg
+        check_resume(cfg, workdir, manifest)
+    corpus = open_training_corpus(cfg, progress)
+    train, val = split_corpus(corpus, cfg.val_fraction)
+    source = str(corpus.path) if val is None else f"the first {train.n_ids} ids (1 - val_fraction) of {corpus.path}"
+    try:
+        LaneReader(train.ids, cfg.batch_size, cfg.seq_len, cfg.accum, source=source)
+    except DataError as e:
+        raise TrainError(str(e)) from None
+    if cfg.val_corpus:
+        val = open_val_corpus(cfg)
+    if cfg.eval_every:
+        check_val_slice(cfg, val)
+    if manifest is None:
+        return Plan(cfg, workdir, corpus, None, cfg.start_token or 0, None, train=train, val=val)
+
+    if manifest.get("corpus", {}).get("n_ids") not in (None, corpus.n_ids):
+        raise TrainError(f"{workdir}: the checkpoint's corpus had {manifest['corpus']['n_ids']} ids, "
+                         f"{corpus.path} has {corpus.n_ids}; the lane offsets would not mean the same text")
+    pos = cfg.start_token if cfg.start_token is not None else int(manifest["start_token_next"])
+    return Plan(cfg, workdir, corpus, int(manifest["step"]), pos, manifest, rejected, note, train=train, val=val)
+
+
+def open_val_corpus(cfg: TrainConfig) -> CorpusPart:
+    try:
+        corpus = corpus_lib.open_corpus(cfg.val_corpus)
+        corpus.validate(vocab=cfg.model.vocab_size)
+    except corpus_lib.CorpusError as e:
+        raise TrainError(f"val_corpus: {e}") from None
+    return CorpusPart(corpus, 0, corpus.n_ids)
+
+
+def check_val_slice(cfg: TrainConfig, val: Optional[CorpusPart]) -> None:
+    if val is None:   # val_fraction so small that no id is held out
+        raise TrainError(f"val_fraction={cfg.val_fraction:g} of {cfg.corpus or 'the corpus'} holds out no id")
+    n = min(cfg.val_ids, val.n_ids)
+    try:
+        lane_layout(n, cfg.val_lanes, cfg.seq_len)
+    except EvalError as e:
+        raise TrainError(f"the held-out slice ({n} ids of {val.path}, val_lanes={cfg.val_lanes}, "
+                         f"chunks of seq_len={cfg.seq_len}): {e}") from None
+
+
+def resume_point(workdir: Path):
+    """(meta, rejected, note) of the step a run in workdir resumes from: the newest committed
+    step whose files match their checksums and whose meta reads, whatever the manifest says
+    (it may lag a crash, or be gone). (None, [], None) for a fresh run. Reads only."""
+    if not workdir.exists():
+        return None, [], None
+    try:
+        step, meta, rejected, note = ckpt_lib.newest_good_step(workdir)
+    except OSError as e:
+        raise TrainError(f"cannot read the checkpoints of {workdir}: {rundir.reason(e)}") from None
+    if step is None:
+        if rejected:
+            raise TrainError(ckpt_lib.no_good_step_message(workdir, rejected))
+        if (workdir / rundir.MANIFEST).exists():
+            raise TrainError(f"{workdir / rundir.MANIFEST} names a checkpoint, but {workdir / rundir.CHECKPOINTS} "
+                             "holds none; move the manifest away to start afresh in this directory")
+        return None, [], None
+    if "config" not in meta:   # older checkpoints: the config is the manifest's
+        try:
+            meta["config"] = (rundir.read_manifest(workdir) or {})["config"]
+        except (KeyError, rundir.CheckpointError):
+            raise TrainError(f"{workdir}: step {step} records no config and there is no manifest with one") from None
+    return meta, rejected, note
+
+
+def check_resume(cfg: TrainConfig, workdir: Path, manifest: dict) -> None:
+    old = manifest.get("config", {})
+    old_model = old.get("model", {})
+    if old_model.get("vocab_size") != cfg.model.vocab_size:
+        raise TrainError(f"{workdir}: the checkpoint's vocab is {old_model.get('vocab_size')}, "
+                         f"the config's is {cfg.model.vocab_size}")
+    changed = [f"{k}: checkpoint {old_model.get(k)!r}, config {getattr(cfg.model, k)!r}"
+               for k in WEIGHT_FIELDS if old_model.get(k) != getattr(cfg.model, k)]
+    if changed:
+        raise TrainError(f"{workdir}: the model differs from the checkpoint's ({'; '.join(changed)})")
+    for key in ("batch_size", "seq_len", "accum"):
+        if manifest.get(key, old.get(key)) != getattr(cfg, key):
+            raise TrainError(f"{workdir}: {key} was {manifest.get(key, old.get(key))} and is now "
+                             f"{getattr(cfg, key)}; the lanes would change (keep {key}={manifest.get(key)})")
+    # A run from before held-out splits records none: it held out nothing.
+    was = float(old.get("val_fraction", 0.0))
+    if was != cfg.val_fraction:
+        before = " (a run from before held-out splits)" if "val_fraction" not in old else ""
+        raise TrainError(f"{workdir}: val_fraction was {was:g}{before} and is now {cfg.val_fraction:g}; the lanes "
+                         f"would change (keep val_fraction={was:g}, with eval_every=0 or a held-out "
+                         "file to score: val_corpus=FILE)")
+    if cfg.start_token == 0:
+        raise TrainError(f"{workdir} has a checkpoint at step {manifest['step']}: start_token=0 would restart "
+                         f"the data; drop it to resume at {manifest['start_token_next']}")
+
+
+SCHEDULE_FIELDS = ("lr", "warmup_steps", "lr_schedule", "lr_floor", "decay_steps")
+
+
+def schedule_change_note(old_config: dict, cfg: TrainConfig, step: int) -> Optional[str]:
+    """A note when the learning-rate schedule differs from the checkpoint's: the run goes on
+    from its step on the new curve (the same fields continue the same curve exactly)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in SCHEDULE_FIELDS}
+    changed = [f"{k} {old_config.get(k, defaults[k])} -> {getattr(cfg, k)}" for k in SCHEDULE_FIELDS
+               if old_config.get(k, defaults[k]) != getattr(cfg, k)]
+    if not changed:
+        return None
+    return (f"note: the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}); "
+            f"from step {step} the run follows the new one")
