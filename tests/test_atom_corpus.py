@@ -1,6 +1,7 @@
 """Atom corpora: the builder (incremental, atomic), the memory-mapped reader and
 its validation, the default stdlib corpus, and the command line."""
 import gzip
+import hashlib
 import json
 import os
 import subprocess
@@ -78,8 +79,10 @@ def test_reader_api(tmp_path):
     assert isinstance(part, np.ndarray) and part.tolist() == ids[2:6].tolist()
     assert c.read(1, 3).dtype == np.int32 and c.read(1, 3).tolist() == ids[1:4].tolist()
     ident = c.identity()
-    assert set(ident) == {"path", "n_ids", "size", "mtime"}
+    assert set(ident) == {"path", "n_ids", "size", "mtime", "sha256"}
     assert ident["n_ids"] == ids.size and ident["size"] == 2 * ids.size
+    assert ident["sha256"] == hashlib.sha256(ids.astype("<u2").tobytes()).hexdigest()
+    assert c.sha256(0, 3) == [hashlib.sha256(b"").hexdigest(), hashlib.sha256(ids[:3].astype("<u2").tobytes()).hexdigest()]
     assert c.path == p and repr(c).startswith("Corpus(")
 
 

@@ -21,11 +21,12 @@ def write_ids(path, ids):
 def test_the_held_out_part_is_the_corpus_end(tmp_path):
     corpus = write_ids(tmp_path / "c.u16", np.arange(1001) % 250)
     train, val = plan_lib.split_corpus(corpus, 0.1)
-    assert (train.start, train.n_ids) == (0, 901) and (val.start, val.n_ids) == (901, 100)
+    assert (train.n_ids, train.held) == (901, (901, 1001)) and (val.start, val.n_ids) == (901, 100)
+    np.testing.assert_array_equal(train.ids, corpus.ids[:901])
     np.testing.assert_array_equal(val.ids, corpus.ids[901:])
     assert val.describe() == {"path": str((tmp_path / "c.u16").resolve()), "start": 901, "n_ids": 100}
     train, val = plan_lib.split_corpus(corpus, 0.0)
-    assert train.n_ids == 1001 and val is None
+    assert train.n_ids == 1001 and train.held is None and val is None
 
 
 def manifest_of(cfg, **changes):

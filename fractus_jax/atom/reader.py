@@ -7,6 +7,7 @@ checked against it: a corpus whose size disagrees with its index is refused.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Optional
@@ -86,7 +87,9 @@ class Corpus:
         self.ids = mm.view(np.ndarray) if isinstance(mm, np.memmap) else mm
         self.ids.flags.writeable = False
         self.n_ids = int(self.ids.shape[0])
+        self._stat = self.path.stat()   # of the file mapped (a build replaces the file by rename)
         self.index = read_index(self.path)
+        self._digests = {0: hashlib.sha256().hexdigest()}
         if self.index is not None and self.index.get("n_ids") != self.n_ids:
             raise CorpusError(
                 f"{self.path}: holds {self.n_ids} ids but its index "
@@ -100,10 +103,49 @@ class Corpus:
         return f"Corpus({str(self.path)!r}, n_ids={self.n_ids})"
 
     def identity(self) -> dict:
-        """What a checkpoint manifest records about the corpus it trained on."""
-        st = self.path.stat()
+        """What a checkpoint manifest records about the corpus it trained on: where it is,
+        its length, and the sha256 of its ids (`sha256`), which tells whether a corpus that
+        grew since still begins with them (`prefix_change`)."""
+        st = self._stat
         return {"path": str(self.path.resolve()), "n_ids": self.n_ids,
-                "size": int(st.st_size), "mtime": float(st.st_mtime)}
+                "size": int(st.st_size), "mtime": float(st.st_mtime), "sha256": self.sha256(self.n_ids)[0]}
+
+    def sha256(self, *counts: int) -> list[str]:
+        """The sha256 of the first n ids (as little-endian bytes of the file's id width) for
+        each n of counts, in one pass over the ids; remembered."""
+        want = sorted({n for n in counts if n not in self._digests})
+        if want and (want[0] < 0 or want[-1] > self.n_ids):
+            raise CorpusError(f"{self.path}: no first {want[-1] if want[-1] > self.n_ids else want[0]} ids "
+                              f"(it holds {self.n_ids})")
+        h, done = hashlib.sha256(), 0
+        for n in want:
+            while done < n:
+                end = min(n, done + DEFAULT_CHUNK)
+                h.update(np.ascontiguousarray(self.ids[done:end], self.ids.dtype.newbyteorder("<")).tobytes())
+                done = end
+            self._digests[n] = h.hexdigest()
+        return [self._digests[n] for n in counts]
+
+    def prefix_change(self, identity: dict) -> Optional[str]:
+        """None when this corpus begins with the ids of a corpus that `identity` recorded
+        (the same ones, or those followed by more: a corpus grows by appending); else what
+        differs. A record without `sha256` (written before corpora could grow) matches a
+        corpus of its length only."""
+        n = identity.get("n_ids")
+        if n is None:
+            return None
+        if self.n_ids < n:
+            return f"{self.path} has {self.n_ids} ids, fewer than the {n} recorded"
+        if "sha256" not in identity:
+            if self.n_ids != n:
+                return (f"{self.path} has {self.n_ids} ids, the record has {n} and no digest of them "
+                        "(written before corpora could grow) to tell whether they begin this corpus")
+            return None
+        if self.sha256(n)[0] != identity["sha256"]:
+            what = "its ids differ from" if self.n_ids == n else f"its first {n} ids differ from"
+            return (f"{self.path}: {what} the {n} recorded (sha256 {self.sha256(n)[0][:12]}..., "
+                    f"recorded {identity['sha256'][:12]}...)")
+        return None
 
     def read(self, offset: int, count: int) -> np.ndarray:
         """``count`` ids from ``offset`` (fewer at the end), as a small int32 array."""

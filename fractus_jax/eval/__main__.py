@@ -60,12 +60,13 @@ def held_out_ids(run_dir: Path, meta: dict, cfg, corpus: Optional[str]):
         if not path:
             raise _UserError(f"{run_dir}: the run records no corpus path; pass --corpus FILE")
         c = corpus_lib.open_corpus(path)
-        expected = (meta.get("corpus") or {}).get("n_ids")
-        if expected is not None and expected != c.n_ids:
-            raise _UserError(f"{c.path} has {c.n_ids} ids, the run's corpus had {expected}: its held-out end "
-                             "is not the same text; pass --corpus FILE")
-        start = int(meta.get("train_ids", c.n_ids - int(c.n_ids * cfg.val_fraction)))
-        ids = c.ids[start:]
+        why = c.prefix_change(meta.get("corpus") or {})
+        if why is not None:
+            raise _UserError(f"{why}: the run's held-out part is not the same text there; pass --corpus FILE")
+        # the held-out range fixed at the run's start (text appended since is not in it)
+        held = meta.get("held_out") or {}
+        start = int(held.get("start", meta.get("train_ids", c.n_ids - int(c.n_ids * cfg.val_fraction))))
+        ids = c.ids[start:start + int(held["n_ids"])] if "n_ids" in held else c.ids[start:]
         c.validate(vocab=vocab)
         return ids, f"the {len(ids)} ids held out at the end of {c.path} (val_fraction={cfg.val_fraction:g})"
     raise _UserError(f"{run_dir}: the run held out no part of its corpus (no val_fraction, no val_corpus): "

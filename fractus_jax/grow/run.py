@@ -22,6 +22,7 @@ from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import rundir
 from fractus_jax.train.config import ConfigError, TrainConfig, apply_overrides
 from fractus_jax.train.data import DataError, LaneReader
+from fractus_jax.train.plan import resumed_parts
 
 Log = Callable[[str], None]
 HITS_SOURCES = ("auto", "probe", "metrics", "none")
@@ -60,12 +61,13 @@ def probe_chunk(cfg: TrainConfig, meta: dict, rows: int, corpus_path=None, log: 
     if path:
         try:
             corpus = open_corpus(path)
-            want = (meta.get("corpus") or {}).get("n_ids")
-            if want is not None and corpus_path is None and want != corpus.n_ids:
-                raise CorpusError(f"{path} has {corpus.n_ids} ids, the run's corpus had {want}")
+            if corpus_path is None:
+                why = corpus.prefix_change(meta.get("corpus") or {})
+                if why is not None:
+                    raise CorpusError(why)
             # the lanes cover the part of the corpus that is not held out (train_ids)
-            n = int(meta.get("train_ids", corpus.n_ids - int(corpus.n_ids * cfg.val_fraction)))
-            reader = LaneReader(corpus.ids[:n], cfg.batch_size, cfg.seq_len, cfg.accum)
+            train, _ = resumed_parts(meta, corpus, cfg.val_fraction)
+            reader = LaneReader(train.ids, cfg.batch_size, cfg.seq_len, cfg.accum)
             chunks = reader.read(int(meta.get("start_token_next", 0)))[0]
             return np.asarray(chunks[0, :rows, :-1], np.int32), f"next batch of {path}"
         except (CorpusError, DataError, OSError) as e:

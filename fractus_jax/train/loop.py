@@ -20,6 +20,7 @@ from fractus_jax import sharding
 from fractus_jax.config import WEIGHT_FIELDS
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
+from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import policy as policy_lib
 from fractus_jax.train import probes as probes_lib
 from fractus_jax.train import progress as progress_lib
@@ -28,7 +29,7 @@ from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import TrainConfig
 from fractus_jax.train.data import LaneReader, global_batch
 from fractus_jax.train.heldout import HeldOut
-from fractus_jax.train.plan import Plan, schedule_change_note
+from fractus_jax.train.plan import Plan
 from fractus_jax.train.step import batch_shardings, jit_train_step
 from fractus_jax.train.watch import KeepRateWatch, SkipWatch
 
@@ -107,7 +108,12 @@ def restore(plan: Plan, ckpt, rd: rundir.RunDir, abstract, log):
         from jax.experimental import multihost_utils   # multi-process runs only
         multihost_utils.sync_global_devices("fractus_jax resume: run directory ready")
     pos = cfg.start_token if cfg.start_token is not None else int(meta["start_token_next"])
-    return dataclasses.replace(plan, resume_step=step, start_pos=pos, manifest=meta), state, meta
+    # the lanes and passes of the step restored (an older one than planned read less, maybe)
+    train, held = plan_lib.resumed_parts(meta, plan.corpus, cfg.val_fraction)
+    plan = dataclasses.replace(plan, resume_step=step, start_pos=pos, manifest=meta, train=train,
+                               val=plan.val if cfg.val_corpus else held,
+                               passes=plan_lib.recorded_passes(meta, train, cfg))
+    return plan, state, meta
 
 
 class _Trainer:
@@ -129,13 +135,14 @@ class _Trainer:
             plan, self.state, meta = restore(plan, self.ckpt, rd, ckpt_lib.abstract_with_shardings(abstract, shardings), log)
             self.growth = list(meta.get("growth") or self.growth)
             log(f"resumed {plan.workdir} at step {plan.resume_step}, lane offset {plan.start_pos}")
-            note = schedule_change_note(meta.get("config") or {}, cfg, plan.resume_step)
+            note = plan_lib.schedule_change_note(meta.get("config") or {}, cfg, plan.resume_step)
             if note:
                 log(note)
         else:
             rd.start_metrics(None)
             self.state = self._fresh_state(shardings)
         self.plan = plan
+        self.passes = [dict(p) for p in plan.passes]   # the last: the pass the lanes are in
         self.meter = progress_lib.StepMeter(cfg.batch_size * cfg.seq_len * cfg.accum, meta)
         self.reader = LaneReader(plan.train.ids, cfg.batch_size, cfg.seq_len, cfg.accum)
         self.batch_shard = batch_shardings(cfg, self.mesh)
@@ -169,16 +176,36 @@ class _Trainer:
         """The compiled step, the prober and the held-out scorer of a config (again after a growth)."""
         shardings = state_lib.train_state_shardings(cfg, self.mesh)
         return (jit_train_step(cfg, shardings, self.batch_shard),
-                probes_lib.Prober(cfg, self.plan.train) if cfg.probe_every else None,
+                probes_lib.Prober(cfg, self.probe_part()) if cfg.probe_every else None,
                 HeldOut(cfg, self.plan.val) if cfg.eval_every else None)
+
+    def probe_part(self):
+        """The probes read the extent of the run's first pass: the same rows at every pass."""
+        return self.plan.train.head(self.passes[0]["n_ids"])
+
+    def new_pass(self) -> None:
+        """The lanes wrap: the next pass's lanes are cut over the training stream as the corpus
+        holds it now (grown by appending since the last cut: longer lanes). Every process of a
+        multi-process run cuts over the corpus as it opened it (their reads of a file that
+        grows would not agree), so growth enters there at the first pass after a start."""
+        old = self.plan.train
+        train = plan_lib.next_pass_part(old, self.cfg.model.vocab_size, self.log, reopen=jax.process_count() == 1)
+        number = self.passes[-1]["pass"] + 1
+        if train.n_ids != old.n_ids:
+            self.reader = LaneReader(train.ids, self.cfg.batch_size, self.cfg.seq_len, self.cfg.accum)
+            self.log(f"note: pass {number} from step {self.step + 1}: the lanes are cut over {train.n_ids} ids "
+                     f"(the last pass: {old.n_ids}; {train.path} holds {train.corpus.n_ids})")
+        self.plan = dataclasses.replace(self.plan, corpus=train.corpus, train=train)
+        self.passes.append(plan_lib.pass_record(number, self.step + 1, train))
+        self.pos = 0
 
     def meta(self) -> dict:
         """What a checkpoint of the current step records besides its arrays (the manifest's facts)."""
         cfg, plan = self.cfg, self.plan
         meta = {"step": self.step, "start_token_next": self.pos, "batch_size": cfg.batch_size,
                 "seq_len": cfg.seq_len, "accum": cfg.accum, "corpus": plan.corpus.identity(),
-                "train_ids": plan.train.n_ids, "config": cfg.to_dict(), "growth": self.growth,
-                **self.meter.ema}
+                "train_ids": plan.train.n_ids, "passes": self.passes, "config": cfg.to_dict(),
+                "growth": self.growth, **self.meter.ema}
         if plan.val is not None:
             meta["held_out"] = plan.val.describe()
         return meta
@@ -232,6 +259,8 @@ class _Trainer:
     def advance(self, signal: Optional[str]) -> AfterStep:
         """Dispatch one step, read the one before, and do what follows this one."""
         cfg = self.cfg
+        if self.pos > 0 and self.reader.position(self.pos) == 0:
+            self.new_pass()
         batch = global_batch(self.reader, self.pos, self.batch_shard, FEATURE_CONTEXT)
         pos_next = self.reader.position(self.pos) + self.reader.span
         self.state, device_metrics = self.step_fn(self.state, batch)

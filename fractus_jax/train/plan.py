@@ -22,13 +22,13 @@ from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import rundir
 from fractus_jax.train.config import TrainConfig, resolve_for_mesh
-from fractus_jax.train.data import DataError, LaneReader
+from fractus_jax.train.data import DataError, JoinedIds, LaneReader
 from fractus_jax.train.errors import TrainError
 
 
 @dataclasses.dataclass
 class CorpusPart:
-    """Ids [start, start + n_ids) of a corpus: what the lanes read, or the held-out part."""
+    """Ids [start, start + n_ids) of a corpus: the held-out part (or a val_corpus, whole)."""
     corpus: object
     start: int
     n_ids: int
@@ -45,12 +45,101 @@ class CorpusPart:
         return {"path": str(Path(self.corpus.path).resolve()), "start": self.start, "n_ids": self.n_ids}
 
 
-def split_corpus(corpus, val_fraction: float) -> tuple[CorpusPart, Optional[CorpusPart]]:
+@dataclasses.dataclass
+class TrainPart:
+    """What the lanes of a pass read: the first n_ids ids of the training stream, which is
+    the corpus less its held-out range [held[0], held[1]) (fixed when the run started;
+    None without val_fraction). Text appended to the corpus extends the stream past it."""
+    corpus: object
+    n_ids: int
+    held: Optional[tuple[int, int]] = None
+
+    @property
+    def ids(self):
+        ids = self.corpus.ids
+        if self.held is None or self.n_ids <= self.held[0]:
+            return ids[:self.n_ids]
+        start, end = self.held
+        return JoinedIds(ids[:start], ids[end:end + self.n_ids - start])
+
+    @property
+    def path(self):
+        return self.corpus.path
+
+    def available(self) -> int:
+        """The length of the training stream of the corpus as it is open."""
+        return self.corpus.n_ids - (0 if self.held is None else self.held[1] - self.held[0])
+
+    def head(self, n_ids: int) -> "TrainPart":
+        return TrainPart(self.corpus, n_ids, self.held)
+
+
+def split_corpus(corpus, val_fraction: float) -> tuple[TrainPart, Optional[CorpusPart]]:
     """(the part the lanes read, the part held out from its end or None): the last
     floor(val_fraction · n_ids) ids are held out."""
     n_val = int(corpus.n_ids * val_fraction)
-    train = CorpusPart(corpus, 0, corpus.n_ids - n_val)
-    return train, (CorpusPart(corpus, train.n_ids, n_val) if n_val else None)
+    n_train = corpus.n_ids - n_val
+    if not n_val:
+        return TrainPart(corpus, n_train), None
+    return TrainPart(corpus, n_train, (n_train, corpus.n_ids)), CorpusPart(corpus, n_train, n_val)
+
+
+def resumed_parts(meta: dict, corpus, val_fraction: float) -> tuple[TrainPart, Optional[CorpusPart]]:
+    """(train, held-out) of a run resumed from meta, over its corpus as it is now (the same,
+    or grown by appending): the lanes read the extent they read (`train_ids`), the held-out
+    range stays where the run's start put it (docs/training.md, A corpus that grows)."""
+    recorded = meta.get("corpus") or {}
+    n_then = int(recorded.get("n_ids", corpus.n_ids))
+    held = None
+    if val_fraction:
+        record = meta.get("held_out") or {}
+        start = int(record.get("start", meta.get("train_ids", n_then - int(n_then * val_fraction))))
+        end = start + int(record.get("n_ids", n_then - start))
+        held = (start, end) if end > start else None
+    n_train = int(meta.get("train_ids", n_then - (0 if held is None else held[1] - held[0])))
+    return TrainPart(corpus, n_train, held), (None if held is None else CorpusPart(corpus, held[0], held[1] - held[0]))
+
+
+def steps_per_pass(n_ids: int, cfg: TrainConfig) -> int:
+    """Steps from lane offset 0 until the lanes of n_ids ids wrap (data.LaneReader)."""
+    return max(1, (n_ids // cfg.batch_size - 1) // (cfg.accum * cfg.seq_len))
+
+
+def pass_record(number: int, first_step: int, train: TrainPart) -> dict:
+    """What the manifest's `passes` says of one pass: the steps from first_step on read the
+    first n_ids ids of the training stream, cut into the lanes; the corpus had corpus_ids."""
+    return {"pass": number, "first_step": first_step, "n_ids": train.n_ids, "corpus_ids": train.corpus.n_ids}
+
+
+def recorded_passes(meta: dict, train: TrainPart, cfg: TrainConfig) -> list[dict]:
+    """The passes of a resumed run: as recorded, or, for a run from before they were, those
+    of its one extent (a pass every steps_per_pass steps, from step 1)."""
+    if meta.get("passes"):
+        return [dict(p) for p in meta["passes"]]
+    n_then = (meta.get("corpus") or {}).get("n_ids", train.corpus.n_ids)
+    per, step = steps_per_pass(train.n_ids, cfg), int(meta["step"])
+    return [{"pass": k, "first_step": k * per + 1, "n_ids": train.n_ids, "corpus_ids": n_then}
+            for k in range(max(step - 1, 0) // per + 1)]
+
+
+def next_pass_part(train: TrainPart, vocab: int, log, reopen: bool = True) -> TrainPart:
+    """What the lanes of a new pass read: the whole training stream of the corpus as its
+    file holds it now (reopened when `reopen`: text appended since enters here). A file
+    that no longer begins with the run's ids, or that cannot be read now (a build in
+    progress), is warned about and the corpus as the run opened it is kept."""
+    corpus = train.corpus
+    if reopen:
+        try:
+            now = corpus_lib.open_corpus(corpus.path)
+            why = now.prefix_change(corpus.identity())
+            if why is not None:
+                raise corpus_lib.CorpusError(f"{why}: it no longer begins with the ids this run trained on")
+            if now.n_ids > corpus.n_ids:
+                now.validate(vocab=vocab)
+                corpus = now
+        except corpus_lib.CorpusError as e:
+            log(f"warning: the next pass reads {corpus.path} as the run opened it ({corpus.n_ids} ids): {e}")
+    return TrainPart(corpus, TrainPart(corpus, 0, train.held).available(), train.held)
 
 
 @dataclasses.dataclass
@@ -63,12 +152,15 @@ class Plan:
     manifest: Optional[dict]   # the meta of the step to resume from (the manifest's facts)
     rejected: list = dataclasses.field(default_factory=list)   # (step, why) of newer steps that failed
     note: Optional[str] = None   # about the step to resume from (no checksums to check)
-    train: Optional[CorpusPart] = None   # what the lanes read (the whole corpus without val_fraction)
+    train: Optional[TrainPart] = None    # what the lanes read (the whole corpus without val_fraction)
     val: Optional[CorpusPart] = None     # the held-out part (val_fraction's tail or val_corpus)
+    passes: list = dataclasses.field(default_factory=list)   # the manifest's `passes`, to the current one
 
     def __post_init__(self):
         if self.train is None:
-            self.train = CorpusPart(self.corpus, 0, self.corpus.n_ids)
+            self.train = TrainPart(self.corpus, self.corpus.n_ids)
+        if not self.passes:
+            self.passes = [pass_record(0, 1, self.train)]
 
 
 def cache_dir() -> Path:
@@ -128,7 +220,11 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
         cfg = growth_lib.grown_model_for(cfg, manifest) or cfg
         check_resume(cfg, workdir, manifest)
     corpus = open_training_corpus(cfg, progress)
-    train, val = split_corpus(corpus, cfg.val_fraction)
+    if manifest is None:
+        train, val = split_corpus(corpus, cfg.val_fraction)
+    else:
+        check_corpus(workdir, manifest, corpus)
+        train, val = resumed_parts(manifest, corpus, cfg.val_fraction)
     source = str(corpus.path) if val is None else f"the first {train.n_ids} ids (1 - val_fraction) of {corpus.path}"
     try:
         LaneReader(train.ids, cfg.batch_size, cfg.seq_len, cfg.accum, source=source)
@@ -140,12 +236,19 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
         check_val_slice(cfg, val)
     if manifest is None:
         return Plan(cfg, workdir, corpus, None, cfg.start_token or 0, None, train=train, val=val)
-
-    if manifest.get("corpus", {}).get("n_ids") not in (None, corpus.n_ids):
-        raise TrainError(f"{workdir}: the checkpoint's corpus had {manifest['corpus']['n_ids']} ids, "
-                         f"{corpus.path} has {corpus.n_ids}; the lane offsets would not mean the same text")
     pos = cfg.start_token if cfg.start_token is not None else int(manifest["start_token_next"])
-    return Plan(cfg, workdir, corpus, int(manifest["step"]), pos, manifest, rejected, note, train=train, val=val)
+    return Plan(cfg, workdir, corpus, int(manifest["step"]), pos, manifest, rejected, note, train=train, val=val,
+                passes=recorded_passes(manifest, train, cfg))
+
+
+def check_corpus(workdir: Path, manifest: dict, corpus) -> None:
+    """The corpus must begin with the ids the checkpoint's corpus held: the same corpus, or
+    that one with text appended (the lane offsets then mean the same text)."""
+    why = corpus.prefix_change(manifest.get("corpus") or {})
+    if why is not None:
+        raise TrainError(f"{workdir}: the corpus is not the one the checkpoint at step {manifest['step']} trained on, "
+                         f"nor that one with text appended: {why}. A corpus may only grow at its end (python -m "
+                         "fractus_jax.atom build adds new sources there); another corpus needs another run directory")
 
 
 def open_val_corpus(cfg: TrainConfig) -> CorpusPart:
