@@ -77,8 +77,6 @@ def test_a_step_off_the_schedule_equals_todays_step(corpus_file, warm_state):
     assert step_lib.reset_rows(plain, warm_state["step"], jax.random.PRNGKey(0)) is None   # today's program
     off = tiny(corpus_file, "carry_reset_every=3")    # step 2 is no multiple of 3
     _equal(_run(off, warm_state), _run(plain, warm_state))
-    on = tiny(corpus_file, "carry_reset_every=2")     # ... of 2 it is
-    _equal(_run(on, warm_state), _run(plain, _fresh(plain, warm_state)))
 
 
 def test_per_row_reset_touches_only_those_rows(corpus_file, warm_state):
@@ -161,3 +159,23 @@ def test_resume_with_resets_is_bit_exact(corpus_file, tmp_path):
         _equal(a[part], b[part])
     lines = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_table_script_prints_a_row_beside_the_bigram(corpus_file, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "carry_table.py"
+    spec = importlib.util.spec_from_file_location("carry_table", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    sets = [f"corpus={corpus_file}", "val_fraction=0.1", "val_ids=600", "val_lanes=2", "model.capacity_factor=none"]
+    argv = ["--config", "tiny", "--rows", "every 4", "--json"] + [a for s in sets for a in ("--set", s)]
+    assert table.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3].startswith("| reset every 4 steps, lr 3e-3, 60 steps | 60 | "), lines
+    assert lines[4].startswith("| bigram counts"), lines
+    out = json.loads(lines[-1])
+    assert [r["row"] for r in out["rows"]] == ["reset every 4 steps, lr 3e-3, 60 steps"]
+    assert 0 < out["rows"][0]["val_bpb"] < 20 and out["bigram"]["n_bytes"] > 0
+    assert table.main(["--config", "tiny", "--set", f"corpus={corpus_file}"]) == 2   # nothing held out
