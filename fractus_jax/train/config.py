@@ -59,8 +59,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip_norm: float = 1.0
     accum: int = 1                    # consecutive chunks per update, the carry flowing through
-    carry_reset_every: int = 0        # every row's carry reset to the initial one on steps that are multiples of this (0: never)
-    carry_reset_prob: float = 0.0     # ... and each row's with this probability at a step's start (drawn from (seed, step))
+    carry_reset_every: int = 0        # every row's carry reset to the initial one on multiples of this step (0: never)
+    carry_reset_prob: float = 0.0     # ... and each row's with this probability at a step's start (from seed, step)
     ce_chunk: int = 1024              # positions per cross-entropy block
     lb_coef: float = 0.02
     repeat_coef: float = 0.0

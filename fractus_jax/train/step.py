@@ -104,7 +104,7 @@ RESET_STREAM = 0x5E7   # folded into the step's key: the reset draws, apart from
 
 def reset_rows(cfg: TrainConfig, step, key):
     """(B,) bool: the rows whose carry starts this step from the initial carry, or None
-    when the config resets nothing (the step is then today's program, unchanged).
+    when the config resets nothing (the step is then the program it was without resets).
 
     Every row on steps whose number is a multiple of carry_reset_every (> 0), and each row
     with probability carry_reset_prob, drawn from the step's key (a function of seed and
