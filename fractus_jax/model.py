@@ -141,6 +141,21 @@ def init_state(cfg: EngineConfig, batch_size: int, dtype=jnp.float32) -> State:
     }
 
 
+def reset_state_rows(state: State, rows_B) -> State:
+    """The carry with the rows where rows_B (B,) is true replaced by `init_state`'s (zeros),
+    the others untouched: what a BOS at a chunk's first position does to its row (the
+    attention state S, z and the thought start from zero; the carried phase is not read
+    by the next chunk, docs/spec.md §4)."""
+    rows_B = jnp.asarray(rows_B, bool)
+
+    def one(name, a):
+        shape = [1] * a.ndim
+        shape[_STATE_ROW_AXIS[name]] = a.shape[_STATE_ROW_AXIS[name]]
+        return jnp.where(rows_B.reshape(shape), jnp.zeros((), a.dtype), a)
+
+    return {k: one(k, v) for k, v in state.items()}
+
+
 # ----------------------------------------------------------------------------- forward
 
 def _dtypes(params: Params, cfg: EngineConfig):

@@ -59,6 +59,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip_norm: float = 1.0
     accum: int = 1                    # consecutive chunks per update, the carry flowing through
+    carry_reset_every: int = 0        # every row's carry reset to the initial one on multiples of this step (0: never)
+    carry_reset_prob: float = 0.0     # ... and each row's with this probability at a step's start (from seed, step)
     ce_chunk: int = 1024              # positions per cross-entropy block
     lb_coef: float = 0.02
     repeat_coef: float = 0.0
@@ -113,6 +115,9 @@ class TrainConfig:
             (non_negative(self.weight_decay), f"weight_decay must be >= 0 and finite, got {self.weight_decay}"),
             (positive(self.clip_norm), f"clip_norm must be > 0 and finite, got {self.clip_norm}"),
             (self.accum >= 1, f"accum must be >= 1, got {self.accum}"),
+            (self.carry_reset_every >= 0, f"carry_reset_every must be >= 0 (0: never), got {self.carry_reset_every}"),
+            (0.0 <= self.carry_reset_prob <= 1.0,
+             f"carry_reset_prob must be in [0, 1], got {self.carry_reset_prob}"),
             (self.ce_chunk >= 1, f"ce_chunk must be >= 1, got {self.ce_chunk}"),
             (non_negative(self.lb_coef), f"lb_coef must be >= 0 and finite, got {self.lb_coef}"),
             (non_negative(self.repeat_coef), f"repeat_coef must be >= 0 and finite, got {self.repeat_coef}"),

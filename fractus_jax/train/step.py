@@ -7,6 +7,8 @@ gradient norm is not finite). With probability ss_rate a scheduled-sampling upda
 follows: the same chunks from the same starting carry, each input t ≥ 1 replaced with
 probability ss_prob(t) by a sample of the teacher-forced prediction at t − 1, loss
 0.5·CE + lb_coef·lb, applied to the parameters the first update produced.
+A carry-reset schedule (carry_reset_every, carry_reset_prob; `reset_rows`) may first
+replace some rows' carry by the initial one, as a BOS at the chunk's first position would.
 All randomness derives from (seed, step), so a resumed run draws the same numbers.
 """
 from __future__ import annotations
@@ -97,6 +99,27 @@ def mix_inputs(cfg: TrainConfig, params, inputs_AxBxC, h_AxBxCxD, key):
     return jnp.where(replace, predicted, inputs_AxBxC)
 
 
+RESET_STREAM = 0x5E7   # folded into the step's key: the reset draws, apart from ss's
+
+
+def reset_rows(cfg: TrainConfig, step, key):
+    """(B,) bool: the rows whose carry starts this step from the initial carry, or None
+    when the config resets nothing (the step is then the program it was without resets).
+
+    Every row on steps whose number is a multiple of carry_reset_every (> 0), and each row
+    with probability carry_reset_prob, drawn from the step's key (a function of seed and
+    step: a resumed run draws the same rows). docs/spec.md §6."""
+    if not cfg.carry_reset_every and not cfg.carry_reset_prob:
+        return None
+    rows = jnp.zeros((cfg.batch_size,), bool)
+    if cfg.carry_reset_every:
+        rows = rows | (step % cfg.carry_reset_every == 0)
+    if cfg.carry_reset_prob:
+        draw = jax.random.uniform(jax.random.fold_in(key, RESET_STREAM), (cfg.batch_size,))
+        rows = rows | (draw < cfg.carry_reset_prob)
+    return rows
+
+
 @functools.lru_cache(maxsize=8)
 def make_train_step(cfg: TrainConfig):
     """step(state, batch) → (state, metrics); batch = {"ids": (A, B, C+1)[, "feats": (A, B, C, F)]}."""
@@ -109,6 +132,9 @@ def make_train_step(cfg: TrainConfig):
         feats = batch.get("feats")
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), state["step"])
         lr = learning_rate(cfg, state["step"])
+        reset = reset_rows(cfg, state["step"], key)
+        if reset is not None:
+            carry0 = model.reset_state_rows(carry0, reset)
 
         carry, grads, m, h = accumulate(params, carry0, inputs, targets, feats, cfg)
         params, opt_state, grad_norm, skipped = _apply(tx, params, opt_state, grads, lr)

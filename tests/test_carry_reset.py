@@ -1,0 +1,181 @@
+"""The carry-reset schedule (carry_reset_every, carry_reset_prob) on the tiny config."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fractus_jax import model, sharding
+from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import loop
+from fractus_jax.train import state as state_lib
+from fractus_jax.train import step as step_lib
+
+
+def tiny(corpus_file, *overrides):
+    # Exact routing: rows do not compete for expert capacity, so each row's carry depends
+    # on its own inputs only (the per-row comparisons below are then meaningful).
+    cfg = cfg_lib.load_config("tiny")
+    return cfg_lib.apply_overrides(cfg, [f"corpus={corpus_file}", "model.capacity_factor=none", *overrides])
+
+
+def _ids(cfg, seed=1):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, 256, (cfg.accum, cfg.batch_size, cfg.seq_len + 1)), jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def warm_state(corpus_file):
+    """A train state after two plain steps: a non-zero carry in every row, at step 2."""
+    cfg = tiny(corpus_file)
+    state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(0))
+    step = jax.jit(step_lib.make_train_step(cfg))
+    for seed in (1, 2):
+        state, _ = step(state, {"ids": _ids(cfg, seed)})
+    assert int(state["step"]) == 2
+    for k in ("thought", "S", "z"):
+        rows = _rows(state["carry"], k)
+        assert (np.abs(rows.reshape(cfg.batch_size, -1)).max(1) > 0).all(), k
+    return state
+
+
+def _rows(carry, k):
+    """carry[k] with its row axis first."""
+    return np.moveaxis(np.asarray(carry[k]), model._STATE_ROW_AXIS[k], 0)
+
+
+def _run(cfg, state, seed=3):
+    return jax.jit(step_lib.make_train_step(cfg))(state, {"ids": _ids(cfg, seed)})
+
+
+def _fresh(cfg, state):
+    return {**state, "carry": model.init_state(cfg.model, cfg.batch_size)}
+
+
+def _equal(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def _differs(a, b) -> bool:
+    return any(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.any(np.asarray(x) != np.asarray(y))), a, b)))
+
+
+def test_a_reset_step_equals_a_step_from_the_initial_carry(corpus_file, warm_state):
+    plain = tiny(corpus_file)
+    reset = tiny(corpus_file, "carry_reset_every=1")
+    got = _run(reset, warm_state)
+    want = _run(plain, _fresh(plain, warm_state))
+    streamed = _run(plain, warm_state)
+    assert _differs(streamed, want), "the carry changes nothing: the test would prove nothing"
+    _equal(got, want)
+
+
+def test_a_step_off_the_schedule_equals_todays_step(corpus_file, warm_state):
+    plain = tiny(corpus_file)
+    assert step_lib.reset_rows(plain, warm_state["step"], jax.random.PRNGKey(0)) is None   # today's program
+    off = tiny(corpus_file, "carry_reset_every=3")    # step 2 is no multiple of 3
+    _equal(_run(off, warm_state), _run(plain, warm_state))
+
+
+def test_per_row_reset_touches_only_those_rows(corpus_file, warm_state):
+    plain = tiny(corpus_file)
+    cfg = tiny(corpus_file, "carry_reset_prob=0.5", "seed=3")
+    key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), warm_state["step"])
+    rows = np.asarray(step_lib.reset_rows(cfg, warm_state["step"], key))
+    assert rows.any() and not rows.all(), rows    # a mix: both kinds of row are checked
+    kept = model.reset_state_rows(warm_state["carry"], rows)
+    for k in model._STATE_ROW_AXIS:
+        a, b = _rows(kept, k), _rows(warm_state["carry"], k)
+        assert (a[rows] == 0).all(), k
+        np.testing.assert_array_equal(a[~rows], b[~rows])
+
+    got, _ = _run(cfg, warm_state)
+    streamed, _ = _run(plain, warm_state)
+    fresh, _ = _run(plain, _fresh(plain, warm_state))
+    for k in ("thought", "S", "z"):   # the carried phase is the chunk's last, whatever the carry
+        g, s, f = (_rows(x["carry"], k) for x in (got, streamed, fresh))
+        # Other rows in the batch, other shapes in the MoE dispatch: equal to rounding.
+        np.testing.assert_allclose(g[~rows], s[~rows], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g[rows], f[rows], rtol=1e-5, atol=1e-6)
+        assert np.abs(s[rows] - f[rows]).max() > 1e-4, k
+
+
+def test_reset_draws_are_a_function_of_seed_and_step(corpus_file):
+    cfg = tiny(corpus_file, "carry_reset_prob=0.25", "batch_size=64")
+
+    def draw(seed, step):
+        c = cfg_lib.apply_overrides(cfg, [f"seed={seed}"])
+        key = jax.random.fold_in(jax.random.PRNGKey(c.seed), step)
+        return np.asarray(step_lib.reset_rows(c, jnp.asarray(step, jnp.int32), key))
+
+    np.testing.assert_array_equal(draw(0, 5), draw(0, 5))
+    assert (draw(0, 5) != draw(0, 6)).any() and (draw(0, 5) != draw(1, 5)).any()
+    frac = np.mean([draw(0, s).mean() for s in range(8)])
+    assert 0.1 < frac < 0.4, frac
+    every = tiny(corpus_file, "carry_reset_every=4")
+    assert [bool(step_lib.reset_rows(every, jnp.asarray(s), None).all()) for s in range(6)] == \
+        [True, False, False, False, True, False]
+
+
+@pytest.mark.parametrize("override, words", [
+    ("carry_reset_every=-1", ["carry_reset_every", "-1"]),
+    ("carry_reset_prob=1.5", ["carry_reset_prob", "1.5"]),
+    ("carry_reset_prob=-0.1", ["carry_reset_prob", "-0.1"]),
+    ("carry_reset_prob=nan", ["carry_reset_prob", "nan"]),
+])
+def test_bad_reset_values_are_refused(override, words):
+    with pytest.raises(cfg_lib.ConfigError) as e:
+        cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [override])
+    msg = str(e.value)
+    assert msg.startswith(f"--set {override}: "), msg
+    for word in words:
+        assert word in msg, (word, msg)
+    ok = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), ["carry_reset_every=0", "carry_reset_prob=1"])
+    assert ok.carry_reset_prob == 1.0
+
+
+def _train(cfg, workdir):
+    return loop.run(loop.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
+
+
+def _restore(workdir, cfg):
+    ck = ckpt_lib.RunCheckpointer(workdir, read_only=True)
+    try:
+        return ck.restore(state_lib.abstract_train_state(cfg), None)
+    finally:
+        ck.close()
+
+
+def test_resume_with_resets_is_bit_exact(corpus_file, tmp_path):
+    cfg = tiny(corpus_file, "carry_reset_prob=0.3", "carry_reset_every=4", "max_steps=6", "save_every=3")
+    _train(cfg, tmp_path / "straight")
+    _train(cfg_lib.apply_overrides(cfg, ["max_steps=3"]), tmp_path / "split")
+    _train(cfg, tmp_path / "split")
+    (a, meta_a), (b, meta_b) = _restore(tmp_path / "straight", cfg), _restore(tmp_path / "split", cfg)
+    assert meta_a["step"] == meta_b["step"] == 6
+    for part in ("params", "opt_state", "carry"):
+        _equal(a[part], b[part])
+    lines = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_table_script_prints_a_row_beside_the_bigram(corpus_file, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "carry_table.py"
+    spec = importlib.util.spec_from_file_location("carry_table", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    sets = [f"corpus={corpus_file}", "val_fraction=0.1", "val_ids=600", "val_lanes=2", "model.capacity_factor=none"]
+    argv = ["--config", "tiny", "--rows", "every 4", "--json"] + [a for s in sets for a in ("--set", s)]
+    assert table.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3].startswith("| reset every 4 steps, lr 3e-3, 60 steps | 60 | "), lines
+    assert lines[4].startswith("| bigram counts"), lines
+    out = json.loads(lines[-1])
+    assert [r["row"] for r in out["rows"]] == ["reset every 4 steps, lr 3e-3, 60 steps"]
+    assert 0 < out["rows"][0]["val_bpb"] < 20 and out["bigram"]["n_bytes"] > 0
+    assert table.main(["--config", "tiny", "--set", f"corpus={corpus_file}"]) == 2   # nothing held out
