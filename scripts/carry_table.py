@@ -23,6 +23,8 @@ from pathlib import Path
 from fractus_jax.eval import bigram
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
+from fractus_jax.train import plan as plan_lib
+from fractus_jax.train.errors import TrainError
 
 CONSTANT = ["lr_schedule=constant", "decay_steps=0", "lr_floor=0"]
 RECIPE_60 = ["lr=3e-3", "warmup_steps=10", "max_steps=60", *CONSTANT]     # smoke's recipe before resets
@@ -47,7 +49,7 @@ def run_row(base: cfg_lib.TrainConfig, overrides: list[str], workdir: Path) -> d
     cfg = cfg_lib.apply_overrides(base, overrides)
     cfg = cfg_lib.apply_overrides(cfg, [f"eval_every={cfg.max_steps}", f"save_every={cfg.max_steps}",
                                         "probe_every=0", f"log_every={cfg.max_steps}"])
-    loop.run(loop.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
+    loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
     lines = [json.loads(ln) for ln in (workdir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     last = [m for m in lines if "val_bpb" in m][-1]
     return {"steps": last["step"], "val_ce": last["val_ce"], "val_bpb": last["val_bpb"],
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
             raise cfg_lib.ConfigError(f"{args.config} holds nothing out: set val_fraction or val_corpus")
         rows = [(label, o) for label, o in ROWS if args.rows is None or any(s in label for s in args.rows)]
         base_line = bigram.run_baseline(base)
-    except (cfg_lib.ConfigError, loop.TrainError) as e:
+    except (cfg_lib.ConfigError, TrainError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = []

@@ -10,6 +10,7 @@ from fractus_jax import model, sharding
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
+from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
 
@@ -137,7 +138,7 @@ def test_bad_reset_values_are_refused(override, words):
 
 
 def _train(cfg, workdir):
-    return loop.run(loop.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
+    return loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
 
 
 def _restore(workdir, cfg):

@@ -21,6 +21,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from fractus_jax.eval import bits_per_byte, count_bytes, lane_layout
+from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import heldout
+from fractus_jax.train import plan as plan_lib
+from fractus_jax.train.errors import TrainError
 
 BLOCK = 1 << 22   # ids counted per pass: the pair codes of one block are int64
 
@@ -71,15 +75,13 @@ def score(counts: np.ndarray, ids, lanes: int, chunk: int, alpha: float = 1.0) -
 
 def run_baseline(cfg, alpha: float = 1.0, progress: bool = False) -> dict:
     """Fit on the part of cfg's corpus the lanes read, score cfg's held-out slice."""
-    from fractus_jax.train import loop
-
-    corpus = loop.open_training_corpus(cfg, progress=progress)
-    train, val = loop.split_corpus(corpus, cfg.val_fraction)
+    corpus = plan_lib.open_training_corpus(cfg, progress=progress)
+    train, val = plan_lib.split_corpus(corpus, cfg.val_fraction)
     if cfg.val_corpus:
-        val = loop.open_val_corpus(cfg)
-    loop.check_val_slice(cfg, val)
+        val = plan_lib.open_val_corpus(cfg)
+    plan_lib.check_val_slice(cfg, val)
     counts = fit(train.ids, cfg.model.vocab_size)
-    out = score(counts, np.asarray(loop.val_slice(cfg, val)), cfg.val_lanes, cfg.seq_len, alpha)
+    out = score(counts, np.asarray(heldout.val_slice(cfg, val)), cfg.val_lanes, cfg.seq_len, alpha)
     return {**out, "train_ids": train.n_ids}
 
 
@@ -91,9 +93,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--alpha", type=float, default=1.0, help="add-alpha smoothing (default 1: add-one)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     args = p.parse_args(argv)
-    from fractus_jax.train import config as cfg_lib
-    from fractus_jax.train import loop
-
     try:
         if not (args.alpha > 0 and math.isfinite(args.alpha)):
             raise cfg_lib.ConfigError(f"--alpha must be > 0 and finite, got {args.alpha}")
@@ -101,7 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not (cfg.val_fraction or cfg.val_corpus):
             raise cfg_lib.ConfigError("the config holds nothing out: set val_fraction or val_corpus")
         out = run_baseline(cfg, args.alpha, progress=not args.json)
-    except (cfg_lib.ConfigError, loop.TrainError) as e:
+    except (cfg_lib.ConfigError, TrainError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
