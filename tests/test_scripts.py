@@ -111,3 +111,23 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path):
     tomllib = pytest.importorskip("tomllib")   # Python >= 3.11
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(d.startswith("matplotlib") for d in extras["plot"]) and any(d.startswith("matplotlib") for d in extras["dev"])
+
+
+def test_dispatch_table_trains_each_choice_and_prints_their_rows(corpus_file, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dispatch_table", ROOT / "scripts" / "dispatch_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    sets = [f"corpus={corpus_file}", "val_fraction=0.1", "val_ids=600", "val_lanes=2"]
+    assert table.main(["--config", "tiny", "--steps", "3", "--json"] + [a for s in sets for a in ("--set", s)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(" | ")[0] for ln in lines[3:7]] == ["| dropless", "| cf = 4", "| cf = 1.25", "| bigram counts "
+                                                        "(add-one) of the training ids"], lines
+    runs = json.loads(lines[-1])["runs"]
+    assert [(r["dispatch"], r["steps"]) for r in runs] == [("dropless", 3), ("cf = 4", 3), ("cf = 1.25", 3)]
+    keep = [r["keep_rate"] for r in runs]
+    assert keep[0] == 1.0 and keep[2] < 1.0 and keep[2] <= keep[1], keep
+    assert all(0 < r["val_bpb"] < 20 for r in runs)
+    assert table.main(["--config", "tiny", "--steps", "1", "--set", f"corpus={corpus_file}"]) == 2
+    assert "--steps must be >= 2" in capsys.readouterr().err

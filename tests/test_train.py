@@ -351,6 +351,8 @@ def test_the_loop_lowers_the_step_once(corpus_file, tmp_path):
     ("weight_decay=-0.1", ["weight_decay", "-0.1"]), ("ce_chunk=0", ["ce_chunk", "0"]),
     ("probe_every=-1", ["probe_every", "-1"]), ("save_every_minutes=-1", ["save_every_minutes", "-1.0"]),
     ("ss_temperature=0", ["ss_temperature", "0.0"]), ("ss_p1=1.5", ["ss_p1", "1.5"]),
+    ("carry_reset_every=-1", ["carry_reset_every", "-1"]), ("carry_reset_prob=1.5", ["carry_reset_prob", "1.5"]),
+    ("carry_reset_prob=-0.1", ["carry_reset_prob", "-0.1"]), ("carry_reset_prob=nan", ["carry_reset_prob", "nan"]),
 ])
 def test_obviously_invalid_values_are_refused_naming_the_field_and_value(override, words):
     with pytest.raises(cfg_lib.ConfigError) as e:
@@ -364,8 +366,8 @@ def test_obviously_invalid_values_are_refused_naming_the_field_and_value(overrid
 def test_valid_edge_values_are_accepted():
     cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [
         "max_steps=0", "warmup_steps=0", "weight_decay=0", "probe_every=0", "save_every_minutes=0",
-        "keep_checkpoints=1", "momentum=0", "lb_coef=0", "ss_rate=1"])
-    assert cfg.max_steps == 0 and cfg.keep_checkpoints == 1
+        "keep_checkpoints=1", "momentum=0", "lb_coef=0", "ss_rate=1", "carry_reset_every=0", "carry_reset_prob=1"])
+    assert cfg.max_steps == 0 and cfg.keep_checkpoints == 1 and cfg.carry_reset_prob == 1.0
 
 
 def test_an_unknown_key_suggests_the_nearest_field():
