@@ -1,16 +1,18 @@
 """Held-out bits per byte of carry-reset schedules and recipes beside a bigram baseline
 (docs/training.md, Carry resets).
 
-    python scripts/carry_table.py [--config smoke] [--rows SUBSTRING ...] [--set KEY=VALUE ...] [--json]
+    python scripts/carry_table.py [--config smoke] [--table 64x16|8x128] [--rows SUBSTRING ...]
+        [--set KEY=VALUE ...] [--json]
 
 Each row trains the config from scratch (same seed, same lanes) into a temporary run
 directory with the row's overrides, then reads the trainer's held-out score at its last
 step (val_bpb: the val_lanes lanes read chunk after chunk, the carry warmed on the text
 before each chunk from a zero start; val_bpb_no_carry: every chunk from the initial
 carry). The bigram row (fractus_jax.eval.bigram, add-one) is fitted on the ids the
-lanes read and scores the same targets with the same denominator. Rows set every field
-they vary, so the table does not depend on the config's current defaults. --rows keeps
-the rows whose label contains one of the substrings.
+lanes read and scores the same targets with the same denominator. --table picks the
+lanes' shape (batch_size x seq_len, set on the config before anything else) and its rows.
+Rows set every field they vary, so the table does not depend on the config's current
+defaults. --rows keeps the rows whose label contains one of the substrings.
 """
 from __future__ import annotations
 
@@ -30,19 +32,35 @@ CONSTANT = ["lr_schedule=constant", "decay_steps=0", "lr_floor=0"]
 RECIPE_60 = ["lr=3e-3", "warmup_steps=10", "max_steps=60", *CONSTANT]     # smoke's recipe before resets
 NO_RESET = ["carry_reset_every=0", "carry_reset_prob=0"]
 EVERY_STEP = ["carry_reset_every=1", "carry_reset_prob=0"]
-ROWS = [
-    ("no reset, lr 3e-3, 60 steps", RECIPE_60 + NO_RESET),
-    ("reset every 4 steps, lr 3e-3, 60 steps", RECIPE_60 + ["carry_reset_every=4", "carry_reset_prob=0"]),
-    ("reset p=0.25, lr 3e-3, 60 steps", RECIPE_60 + ["carry_reset_every=0", "carry_reset_prob=0.25"]),
-    ("reset p=0.5, lr 3e-3, 60 steps", RECIPE_60 + ["carry_reset_every=0", "carry_reset_prob=0.5"]),
-    ("reset every step, lr 3e-3, 60 steps", RECIPE_60 + EVERY_STEP),
-    ("reset every step, lr 6e-3, 60 steps", ["lr=6e-3", "warmup_steps=10", "max_steps=60", *CONSTANT, *EVERY_STEP]),
-    ("reset every step, lr 3e-3, 100 steps", ["lr=3e-3", "warmup_steps=10", "max_steps=100", *CONSTANT,
-                                               *EVERY_STEP]),
-    ("reset every step, lr 6e-3, 100 steps (smoke)", ["lr=6e-3", "warmup_steps=10", "max_steps=100", *CONSTANT,
-                                                      *EVERY_STEP]),
-    ("no reset, lr 6e-3, 100 steps", ["lr=6e-3", "warmup_steps=10", "max_steps=100", *CONSTANT, *NO_RESET]),
-]
+LR_6E3 = ["lr=6e-3", "warmup_steps=10", *CONSTANT]
+
+# Each table: the lanes' shape (set on the base, so the bigram scores the same targets) and its rows.
+TABLES = {
+    # smoke's shape: 64 lanes of 16-id chunks
+    "64x16": (["batch_size=64", "seq_len=16"], [
+        ("no reset, lr 6e-3, 300 steps", [*LR_6E3, "max_steps=300", *NO_RESET]),
+        ("reset every 4 steps, lr 6e-3, 300 steps", [*LR_6E3, "max_steps=300", "carry_reset_every=4",
+                                                     "carry_reset_prob=0"]),
+        ("reset p=0.25, lr 6e-3, 300 steps", [*LR_6E3, "max_steps=300", "carry_reset_every=0",
+                                              "carry_reset_prob=0.25"]),
+        ("reset every step, lr 6e-3, 100 steps", [*LR_6E3, "max_steps=100", *EVERY_STEP]),
+        ("reset every step, lr 6e-3, 200 steps (smoke)", [*LR_6E3, "max_steps=200", *EVERY_STEP]),
+        ("reset every step, lr 6e-3, 300 steps", [*LR_6E3, "max_steps=300", *EVERY_STEP]),
+    ]),
+    # smoke's former shape: 8 lanes of 128-id chunks
+    "8x128": (["batch_size=8", "seq_len=128"], [
+        ("no reset, lr 3e-3, 60 steps", RECIPE_60 + NO_RESET),
+        ("reset every 4 steps, lr 3e-3, 60 steps", RECIPE_60 + ["carry_reset_every=4", "carry_reset_prob=0"]),
+        ("reset p=0.25, lr 3e-3, 60 steps", RECIPE_60 + ["carry_reset_every=0", "carry_reset_prob=0.25"]),
+        ("reset p=0.5, lr 3e-3, 60 steps", RECIPE_60 + ["carry_reset_every=0", "carry_reset_prob=0.5"]),
+        ("reset every step, lr 3e-3, 60 steps", RECIPE_60 + EVERY_STEP),
+        ("reset every step, lr 6e-3, 60 steps", [*LR_6E3, "max_steps=60", *EVERY_STEP]),
+        ("reset every step, lr 3e-3, 100 steps", ["lr=3e-3", "warmup_steps=10", "max_steps=100", *CONSTANT,
+                                                  *EVERY_STEP]),
+        ("reset every step, lr 6e-3, 100 steps", [*LR_6E3, "max_steps=100", *EVERY_STEP]),
+        ("no reset, lr 6e-3, 100 steps", [*LR_6E3, "max_steps=100", *NO_RESET]),
+    ]),
+}
 
 
 def run_row(base: cfg_lib.TrainConfig, overrides: list[str], workdir: Path) -> dict:
@@ -60,16 +78,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/carry_table.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="smoke")
+    p.add_argument("--table", choices=sorted(TABLES), default="64x16",
+                   help="the lanes' shape and its rows (default: 64x16, smoke's)")
     p.add_argument("--rows", nargs="*", default=None, metavar="SUBSTRING", help="only the rows whose label has one")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="applied to every row before its own overrides")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     args = p.parse_args(argv)
     try:
-        base = cfg_lib.apply_overrides(cfg_lib.load_config(args.config), args.overrides)
+        shape, table = TABLES[args.table]
+        base = cfg_lib.apply_overrides(cfg_lib.load_config(args.config), shape + args.overrides)
         if not (base.val_fraction or base.val_corpus):
             raise cfg_lib.ConfigError(f"{args.config} holds nothing out: set val_fraction or val_corpus")
-        rows = [(label, o) for label, o in ROWS if args.rows is None or any(s in label for s in args.rows)]
+        rows = [(label, o) for label, o in table if args.rows is None or any(s in label for s in args.rows)]
         base_line = bigram.run_baseline(base)
     except (cfg_lib.ConfigError, TrainError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -153,13 +153,17 @@ def test_the_table_script_prints_a_row_beside_the_bigram(corpus_file, capsys):
     spec = importlib.util.spec_from_file_location("carry_table", path)
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)
-    sets = [f"corpus={corpus_file}", "val_fraction=0.1", "val_ids=600", "val_lanes=2", "model.capacity_factor=none"]
-    argv = ["--config", "tiny", "--rows", "every 4", "--json"] + [a for s in sets for a in ("--set", s)]
+    sets = [f"corpus={corpus_file}", "val_fraction=0.1", "val_ids=600", "val_lanes=2", "model.capacity_factor=none",
+            "batch_size=4", "seq_len=16"]   # --set comes after the table's shape: tiny's own
+    argv = ["--config", "tiny", "--table", "8x128", "--rows", "every 4", "--json"] + [a for s in sets for a in ("--set", s)]
     assert table.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert "in 2 lanes of 16-id chunks" in lines[0], lines   # --set applies after the table's shape
     assert lines[3].startswith("| reset every 4 steps, lr 3e-3, 60 steps | 60 | "), lines
     assert lines[4].startswith("| bigram counts"), lines
     out = json.loads(lines[-1])
     assert [r["row"] for r in out["rows"]] == ["reset every 4 steps, lr 3e-3, 60 steps"]
     assert 0 < out["rows"][0]["val_bpb"] < 20 and out["bigram"]["n_bytes"] > 0
     assert table.main(["--config", "tiny", "--set", f"corpus={corpus_file}"]) == 2   # nothing held out
+    with pytest.raises(SystemExit):
+        table.main(["--config", "tiny", "--table", "9x9"])

@@ -10,6 +10,7 @@ import pytest
 
 from fractus_jax.atom.corpus import build_corpus, open_corpus
 from fractus_jax.eval.__main__ import _UserError, held_out_ids
+from fractus_jax.eval.__main__ import main as eval_main
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
@@ -200,3 +201,30 @@ def test_eval_scores_the_runs_held_out_range_on_the_grown_corpus(tmp_path):
     write_ids(tmp_path / "a.u16", np.r_[ids[1:], np.arange(500) % 7])
     with pytest.raises(_UserError, match="its first 1000 ids differ from the 1000 recorded"):
         held_out_ids(tmp_path, meta, cfg, None)
+
+
+def test_the_eval_command_on_a_grown_corpus_scores_what_the_run_logged(tmp_path, capsys):
+    a, b = sources(tmp_path)
+    grows = build([a, b], tmp_path / "grows.u16")
+    held = ["val_fraction=0.25", "eval_every=2", "val_ids=64", "val_lanes=2"]
+    train(tiny(grows, "max_steps=2", "save_every=2", *held), tmp_path / "run")
+    logged = [m for m in metrics(tmp_path / "run") if "val_ce" in m][-1]
+    start = ckpt_lib.read_manifest(tmp_path / "run")["held_out"]["start"]
+    c = tmp_path / "c.txt"
+    c.write_text("Appended after the run: its held-out range is now mid-corpus. " * 4)
+    build([a, b, c], grows)
+    argv = ["--ckpt", str(tmp_path / "run"), "--ids", "64", "--lanes", "2", "--json", "--no-progress"]
+    assert eval_main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["step"] == 2
+    for key in ("ce", "bpb", "ce_no_carry", "bpb_no_carry"):
+        assert abs(out[key] - logged[f"val_{key}"]) <= 1e-5, key
+    # the same ids: scoring the new end of the corpus instead gives another CE
+    assert start < open_corpus(grows).n_ids * 0.75
+    write_ids(tmp_path / "end.u16", np.asarray(open_corpus(grows).ids[-64:]))
+    assert eval_main([*argv, "--corpus", str(tmp_path / "end.u16")]) == 0
+    assert abs(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ce"] - logged["val_ce"]) > 1e-4
+    # an earlier id changed: the held-out range is no longer the run's text
+    build([b, a], grows, force=True)
+    assert eval_main(argv) == 2
+    assert "pass --corpus FILE" in capsys.readouterr().err

@@ -450,7 +450,8 @@ def test_progress_bar_says_compiling_and_its_eta_starts_after_the_first_step(mon
 def test_the_end_of_a_run_says_where_its_outputs_are(corpus_file, tmp_path):
     workdir = tmp_path / "run"
     args = ["--config", "tiny", "--workdir", str(workdir), f"--set=corpus={corpus_file}", "--set=eval_every=2",
-            "--set=val_fraction=0.1", "--set=val_ids=256", "--set=max_steps=2", "--set=save_every=2"]
+            "--set=val_fraction=0.1", "--set=val_ids=256", "--set=max_steps=2", "--set=save_every=2",
+            "--set=carry_reset_every=1"]
     out = subprocess.run([sys.executable, "-m", "fractus_jax.train", *args], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -462,7 +463,8 @@ def test_the_end_of_a_run_says_where_its_outputs_are(corpus_file, tmp_path):
     # at max_steps: the same command, further (its max_steps replaced)
     further = next(line for line in err.splitlines() if "train further:" in line)
     assert f"--workdir {workdir}" in further and "max_steps=4" in further and "max_steps=2" not in further
-    assert f"python -m fractus_jax.generate --ckpt {workdir}" in err
+    # trained from a fresh carry at every step: the window it was trained on
+    assert f"python -m fractus_jax.generate --ckpt {workdir} --prompt 'def main(' --mode window --window 16" in err
     assert f"python -m fractus_jax.convert export --ckpt {workdir}" in err
     assert "scripts/plot_metrics.py" in err and (ROOT / "scripts" / "plot_metrics.py").exists()
     assert f"python -m fractus_jax.eval --ckpt {workdir}" in err

@@ -28,6 +28,7 @@ from fractus_jax.config import EngineConfig
 from fractus_jax.convert import ConversionError
 from fractus_jax.reference import FractusEngine
 from fractus_jax.train.config import TrainConfig
+from fractus_jax.train.state import learning_rate
 
 _MOMENT_TYPES = (optax.ScaleByAdamState, optax.TraceState)
 _KIND = {"adamw": "AdamW (exp_avg, exp_avg_sq)", "sgd": "SGD (momentum_buffer)"}
@@ -110,7 +111,6 @@ def scheduled_lr(cfg: TrainConfig, step: int) -> float:
     """The trainer's learning rate for its next update (state.learning_rate; the warmup and
     the constant schedule in Python, a decay by its optax schedule)."""
     if cfg.lr_schedule != "constant" and step >= cfg.warmup_steps:
-        from fractus_jax.train.state import learning_rate
         return float(learning_rate(cfg, step))
     return cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fractus_jax import model
+from fractus_jax.atom.features import atom_features
 from fractus_jax.atom.ids import PAD
 from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
 from fractus_jax.config import EngineConfig
@@ -186,7 +187,6 @@ class Scorer:
                                         FEATURE_CONTEXT if self.feats else 0)
                 feats = None
                 if self.feats:
-                    from fractus_jax.atom.features import atom_features
                     feats = jnp.asarray(atom_features(rows[:, :-1], left=left))
                 n_bytes += count_bytes(rows[:, 1:])
                 a, b, carry = score_chunk(params, carry, jnp.asarray(rows), feats, self.cfg)

@@ -121,7 +121,9 @@ def outputs_summary(args, argv, cfg, manifest) -> str:
     else:
         lines.append(f"  resume (the same command): {shlex.join(['python', '-m', 'fractus_jax.train', *argv])}")
     if manifest is not None:
-        lines.append(f"  generate: python -m fractus_jax.generate --ckpt {q(str(workdir))} --prompt 'def main('")
+        # a carry reset at every step trained the window function (docs/generation.md)
+        window = f" --mode window --window {cfg.seq_len}" if cfg.carry_reset_every == 1 else ""
+        lines.append(f"  generate: python -m fractus_jax.generate --ckpt {q(str(workdir))} --prompt 'def main('{window}")
         held = cfg.val_fraction or cfg.val_corpus
         lines.append(f"  evaluate: python -m fractus_jax.eval --ckpt {q(str(workdir))}"
                      + ("" if held else " --corpus HELD_OUT.u16"))
