@@ -60,25 +60,25 @@ def metrics(workdir):
 
 
 def test_a_run_resumes_across_an_append_and_reads_the_new_text_from_the_next_pass(tmp_path):
+    # Every run reads one corpus file, rebuilt or appended to between them: the runs to step
+    # 7 share one config, so the trainer compiles their step once.
     a, b = sources(tmp_path)
-    only_a = build([a], tmp_path / "only_a.u16")
-    n_a = open_corpus(only_a).n_ids
-    cfg = tiny(only_a, "max_steps=7", "save_every=3")
+    grows = build([a], tmp_path / "grows.u16")
+    n_a = open_corpus(grows).n_ids
+    cfg = tiny(grows, "max_steps=7", "save_every=3")
     assert plan_lib.steps_per_pass(n_a, cfg) == 3
 
     # the reference: corpus A throughout
-    train(tiny(only_a, "max_steps=7", "save_every=3"), tmp_path / "straight")
+    train(cfg, tmp_path / "straight")
     # two steps on A; B is appended; the same command resumes to step 7
-    grows = build([a], tmp_path / "grows.u16")
     train(tiny(grows, "max_steps=2", "save_every=2"), tmp_path / "split")
     build([a, b], grows)
     n_ab = open_corpus(grows).n_ids
     assert plan_lib.steps_per_pass(n_ab, cfg) == 9
     logs = []
-    train(tiny(grows, "max_steps=7", "save_every=3"), tmp_path / "split", log=logs.append)
+    train(cfg, tmp_path / "split", log=logs.append)
 
     # the pass that was under way ends as it would have on A: bit-exact to its last step
-    cfg = tiny(grows, "max_steps=7")
     assert_same(params_at(tmp_path / "split", cfg, 3), params_at(tmp_path / "straight", cfg, 3))
     straight, split = metrics(tmp_path / "straight"), metrics(tmp_path / "split")
     assert [m["ce_tf"] for m in split[:3]] == [m["ce_tf"] for m in straight[:3]]
@@ -94,16 +94,18 @@ def test_a_run_resumes_across_an_append_and_reads_the_new_text_from_the_next_pas
     assert manifest["start_token_next"] == 4 * 16   # steps 4-7 at offsets 0-48 of the longer lanes
     reference = ckpt_lib.read_manifest(tmp_path / "straight")
     assert reference["start_token_next"] == 16 and [p["first_step"] for p in reference["passes"]] == [1, 4, 7]
+    assert reference["corpus"]["n_ids"] == n_a
 
     # a run that lives while the builder appends reads the new text from its next pass too
-    living = build([a], tmp_path / "living.u16")
+    build([a], grows, force=True)   # A alone again
+    assert open_corpus(grows).n_ids == n_a
     appended = []
 
     def append_once(_message):
         if not appended:
-            appended.append(build([a, b], living))
+            appended.append(build([a, b], grows))
 
-    train(tiny(living, "max_steps=7", "save_every=3"), tmp_path / "living", log=append_once)
+    train(cfg, tmp_path / "living", log=append_once)
     assert appended
     assert_same(params_at(tmp_path / "living", cfg, 7), params_at(tmp_path / "split", cfg, 7))
     assert ckpt_lib.read_manifest(tmp_path / "living")["passes"] == manifest["passes"]

@@ -32,12 +32,15 @@ def test_scanned_layers_equal_a_layer_loop(variant):
     with jax.enable_x64(True):
         params, state, ids = _tiny_inputs(cfg, dtype=jnp.float64)
         params = move_off_init(params, jax.random.PRNGKey(9))
-        h_scan, aux, new_state = model.forward_hidden(params, state, ids, cfg)
+        # Compiled (one program each, the layer's reused for every layer): op by op, the
+        # float64 scan and its loop took most of the test's time.
+        h_scan, aux, new_state = jax.jit(model.forward_hidden, static_argnums=3)(params, state, ids, cfg)
         h, reset = model.embed(params, state, ids, cfg)
+        block = jax.jit(model.block_forward, static_argnums=(4, 5))
         for i in range(cfg.n_layers):
             p_i = jax.tree.map(lambda a: a[i], params["blocks"])
             h_prev = h
-            h, (S, z, phase), stats = model.block_forward(
+            h, (S, z, phase), stats = block(
                 p_i, h, (state["S"][i], state["z"][i], state["phase"][i]), reset, cfg, jnp.float64)
             assert float(jnp.abs(h - h_prev).max()) > 1e-4  # every layer does something
             np.testing.assert_allclose(S, new_state["S"][i], rtol=1e-13, atol=1e-13)
@@ -64,8 +67,10 @@ def test_cpu_kernels_compute_the_plain_function(kw):
             logits, lb, new_state = model.forward_chunk(p, state, ids, cfg.replace(kernels=kernels))
             return jnp.sum(jnp.tanh(logits)) + lb, (logits, lb, new_state)
 
-        (_, plain), g_plain = jax.value_and_grad(loss, has_aux=True)(params, "plain")
-        (_, cpu), g_cpu = jax.value_and_grad(loss, has_aux=True)(params, "cpu")
+        # Compiled, one program per form: op by op, the float64 backward took most of the test.
+        value_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+        (_, plain), g_plain = value_and_grad(params, "plain")
+        (_, cpu), g_cpu = value_and_grad(params, "cpu")
         # the CPU forms are the ones taken (their written-out backwards), and only there
         assert "custom_vjp_call" in str(jax.make_jaxpr(lambda p: loss(p, "cpu")[0])(params))
         assert "custom_vjp_call" not in str(jax.make_jaxpr(lambda p: loss(p, "plain")[0])(params))
@@ -102,8 +107,10 @@ def test_row_streams_change_nothing_but_the_schedule():
             h, aux, new_state = model.forward_hidden(p, state, ids, c, feats)
             return jnp.sum(jnp.sin(h)) + aux.lb, (h, aux, new_state)
 
-        (loss1, out1), g1 = jax.value_and_grad(run, has_aux=True)(params, cfg)
-        (loss2, out2), g2 = jax.value_and_grad(run, has_aux=True)(params, streams)
+        # Compiled, one program per config (op by op, the float64 backward took most of the test).
+        value_and_grad = jax.jit(jax.value_and_grad(run, has_aux=True), static_argnums=1)
+        (loss1, out1), g1 = value_and_grad(params, cfg)
+        (loss2, out2), g2 = value_and_grad(params, streams)
         # The test can fail: the streams' own load balances do not average to the global one,
         # capacity dropped assignments, and the rows differ.
         halves = [model.forward_hidden(params, {k: jnp.split(v, 2, model._STATE_ROW_AXIS[k])[i]

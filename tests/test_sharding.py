@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(1, 1), (2, 4), (8, 1)]
 SHARDED_RUN = ["batch_size=8", "model.moe_group_rows=1", "optimizer=sgd", "lr=0.05"]
 STEPS = 3
+# The two-process run's length; the planner plans the same config, so that its step is the
+# one compiled for the one-process run beside it (no second compilation in the module).
+TWO_PROCESS_RUN = ["max_steps=2", "save_every=2"]
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 
@@ -65,7 +68,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("mesh", [(2, 4), (8, 1)])
-def test_sharded_steps_reach_the_single_device_weights(trained, mesh):
+def test_sharded_steps_reach_the_single_device_weights(trained, corpus_file, mesh):
     single, _ = trained[(1, 1)]
     sharded, shardings = trained[mesh]
     obs = sharded["params"]["observe"]
@@ -73,7 +76,9 @@ def test_sharded_steps_reach_the_single_device_weights(trained, mesh):
         assert "fsdp" in str(obs.sharding.spec)
         assert obs.addressable_shards[0].data.shape[1] == obs.shape[1] // 4
     assert int(sharded["step"]) == STEPS
-    init, _ = state_lib.create_train_state(_cfg("x", 1, 1), sharding.make_mesh(), jax.random.PRNGKey(0))
+    # The fixture's config and precision: its initialisation is compiled already.
+    with jax.default_matmul_precision("highest"):
+        init, _ = state_lib.create_train_state(_cfg(corpus_file, 1, 1), sharding.make_mesh(), jax.random.PRNGKey(0))
     assert _rel(single["params"]["blocks"]["attn"]["w_qkv"], init["params"]["blocks"]["attn"]["w_qkv"]) > 1e-4
     for part in ("params", "opt_state", "carry"):
         worst = max(jax.tree.leaves(jax.tree.map(_rel, sharded[part], single[part])))
@@ -107,7 +112,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_on_localhost_match_one(corpus_file, tmp_path):
     overrides = [f"--set=corpus={corpus_file}", *[f"--set={o}" for o in SHARDED_RUN],
-                 "--set=mesh.data=2", "--set=mesh.fsdp=4", "--set=max_steps=2", "--set=save_every=2"]
+                 "--set=mesh.data=2", "--set=mesh.fsdp=4", *[f"--set={o}" for o in TWO_PROCESS_RUN]]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     port = _free_port()
     workdir = tmp_path / "two"
@@ -148,8 +153,9 @@ def test_two_processes_on_localhost_match_one(corpus_file, tmp_path):
 def test_plan_reports_the_sharded_step_memory(corpus_file):
     from fractus_jax.plan import plan
 
-    one = plan(_cfg(corpus_file, 1, 1))
-    eight = plan(cfg_lib.resolve_for_mesh(_cfg(corpus_file, 2, 4)))
+    with jax.default_matmul_precision("highest"):   # the `trained` fixture's: its step is compiled already
+        one = plan(_cfg(corpus_file, 1, 1))
+    eight = plan(cfg_lib.resolve_for_mesh(cfg_lib.apply_overrides(_cfg(corpus_file, 2, 4), TWO_PROCESS_RUN)))
     for r in (one, eight):
         d = r["per_device"]
         assert d["total_bytes"] == d["argument_bytes"] + d["output_bytes"] - d["alias_bytes"] + d["temp_bytes"]
@@ -161,6 +167,7 @@ def test_plan_reports_the_sharded_step_memory(corpus_file):
     assert eight["opt_state_bytes_per_device"] < 0.4 * one["opt_state_bytes_per_device"]
     # With the atom features fed, the planned step takes them too: (A, B, C, 320) float32
     # more arguments, rows split over all 8 devices (data × fsdp), as the trainer feeds them.
-    feats = plan(cfg_lib.resolve_for_mesh(cfg_lib.apply_overrides(_cfg(corpus_file, 2, 4), ["feats=true"])))
+    feats = plan(cfg_lib.resolve_for_mesh(cfg_lib.apply_overrides(_cfg(corpus_file, 2, 4),
+                                                                  [*TWO_PROCESS_RUN, "feats=true"])))
     extra = feats["per_device"]["argument_bytes"] - eight["per_device"]["argument_bytes"]
     assert extra == 1 * 8 * 16 * 320 * 4 // 8
