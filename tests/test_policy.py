@@ -8,9 +8,10 @@ import threading
 
 import pytest
 
+from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import policy
 from fractus_jax.train.errors import TrainError
-from fractus_jax.train.policy import Decision, StopSavePolicy, Vote, decide
+from fractus_jax.train.policy import DEADLINE_SLACK_SECONDS, Decision, StopSavePolicy, Vote, decide
 
 
 class FakeCheckpointer:
@@ -90,13 +91,24 @@ def test_alone_polls_and_decides_by_its_own_clock(clock):
     assert not p.at_step(4, None, ck, 0.5).save
 
 
-def test_the_deadline_margin_is_two_steps_and_one_and_a_half_saves(clock):
+def test_the_deadline_margin_is_two_steps_one_and_a_half_saves_and_a_second(clock):
     ck = FakeCheckpointer(save_seconds=10.0)
-    p = StopSavePolicy(0, deadline=clock.t + 2 * 3.0 + 15.0 + 0.5)
+    p = StopSavePolicy(0, deadline=clock.t + 2 * 3.0 + 15.0 + DEADLINE_SLACK_SECONDS + 0.5)
     assert p.at_step(1, None, ck, 3.0).stop is None
     clock.t += 0.5
     assert p.at_step(2, None, ck, 3.0).stop == "deadline near"
     assert StopSavePolicy(0, None).at_step(3, "SIGTERM", ck, 3.0).stop == "SIGTERM received"
+
+
+def test_the_save_time_reserved_is_the_slowest_of_the_last_saves():
+    times = ckpt_lib.CommitTimes()
+    assert times.seconds() == ckpt_lib.COMMIT_GUESS_SECONDS
+    times.add(2.0)
+    times.add(0.5)
+    assert times.seconds() == 2.0   # one slow write is the one a deadline must allow for
+    for _ in range(ckpt_lib.RECENT_COMMITS - 1):
+        times.add(0.5)
+    assert times.seconds() == 0.5   # it left the window
 
 
 # ----------------------------------------------------------------------------- two processes

@@ -17,6 +17,7 @@ what they need. The lock, the manifest's files and the metrics log are `rundir.p
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -37,8 +38,24 @@ from fractus_jax.train.rundir import (CHECKPOINTS, FORMAT_VERSION, MANIFEST, Che
 
 ITEMS = ("params", "opt_state", "extra", "meta")
 COMMIT_GUESS_SECONDS = 30.0   # a save's time to commit, until one is measured
+RECENT_COMMITS = 5            # the deadline margin reserves the slowest of this many last saves
 CHECKSUMS = "checksums.json"
 CHECKED_FINITE = ("params", "opt_state")
+
+
+class CommitTimes:
+    """The last RECENT_COMMITS saves' seconds to commit. `seconds()` is the slowest of them
+    (one slow write, a loaded disk, is the one a deadline must allow for), or
+    COMMIT_GUESS_SECONDS before any is measured."""
+
+    def __init__(self):
+        self.recent = collections.deque(maxlen=RECENT_COMMITS)
+
+    def add(self, seconds: float) -> None:
+        self.recent.append(seconds)
+
+    def seconds(self) -> float:
+        return max(self.recent) if self.recent else COMMIT_GUESS_SECONDS
 
 
 def _stderr(msg: str) -> None:
@@ -182,9 +199,9 @@ class RunCheckpointer:
         self._closed = False
         # The newest step known committed and good: named by error messages.
         self.last_good: Optional[int] = None
-        # Seconds from a save's start to its commit (an upper bound when seen by poll);
-        # a guess until one is measured. The trainer's deadline margin uses it.
-        self.commit_seconds = COMMIT_GUESS_SECONDS
+        # Seconds from a save's start to its commit (an upper bound when seen by poll) of the
+        # last saves; the trainer's deadline margin uses the slowest.
+        self.commits = CommitTimes()
 
     @property
     def _pending_manifest(self):
@@ -229,9 +246,9 @@ class RunCheckpointer:
             self.wait()
 
     def save_seconds(self) -> float:
-        """A blocking save's expected seconds from now: the last commit time, twice that while a
-        background save is still being written (a save waits for it first)."""
-        return self.commit_seconds * (1 if self._pending is None else 2)
+        """A blocking save's expected seconds from now: the slowest of the last commit times,
+        twice that while a background save is still being written (a save waits for it first)."""
+        return self.commits.seconds() * (1 if self._pending is None else 2)
 
     def committed(self) -> bool:
         """A background save is being finished by nobody and has committed (this process's view)."""
@@ -274,7 +291,7 @@ class RunCheckpointer:
         except OSError as e:
             raise rundir.io_error(f"cannot finish step {step} in", self.workdir, e, self.last_good) from None
         # The whole save: the copy off the devices, the write, the checksums, the manifest.
-        self.commit_seconds = time.time() - self._save_started
+        self.commits.add(time.time() - self._save_started)
 
     def _is_good(self, step: int) -> bool:
         if step not in self._good:

@@ -30,6 +30,7 @@ from fractus_jax.train.errors import TrainError
 # The policy's clock (tests give a process another one).
 clock: Callable[[], float] = time.time
 
+DEADLINE_SLACK_SECONDS = 1.0   # reserved before a deadline beyond two steps and a save
 WINDOW = 1000   # decision keys are grouped by WINDOW steps; a window 2 behind is deleted
 WAIT_MS = 600_000   # one wait for process 0's decision; waits again (a compilation, a slow save)
 
@@ -192,7 +193,8 @@ class StopSavePolicy:
         if self.exchange.lead:
             timed = self.save_every_minutes > 0 and clock() - self.last_save >= 60 * self.save_every_minutes
             near = self.deadline is not None and (
-                clock() + 2 * (step_seconds or 0) + 1.5 * ckpt.save_seconds() >= self.deadline)
+                clock() + 2 * (step_seconds or 0) + 1.5 * ckpt.save_seconds() + DEADLINE_SLACK_SECONDS
+                >= self.deadline)
             vote = Vote(signal=signal, timed_save=timed, deadline=near, committed=committed)
         decision = self.exchange.agree(step, vote)
         if decision.finish_save:
