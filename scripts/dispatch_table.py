@@ -25,7 +25,6 @@ from pathlib import Path
 from fractus_jax.eval import bigram
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
-from fractus_jax.train import plan as plan_lib
 from fractus_jax.train.errors import TrainError
 
 CHOICES = {"dropless": "none", "cf = 4": "4", "cf = 1.25": "1.25"}
@@ -36,8 +35,7 @@ def run_choice(base: cfg_lib.TrainConfig, capacity: str, seed: int, workdir: Pat
     steps = base.max_steps
     cfg = cfg_lib.apply_overrides(base, [f"model.capacity_factor={capacity}", f"seed={seed}", f"eval_every={steps}",
                                          f"save_every={steps}", "probe_every=0", "log_every=1"])
-    loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
-    lines = [json.loads(ln) for ln in (workdir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    lines = loop.run_quietly(cfg, workdir)
     trained = [m for m in lines if "ids_per_s_tf" in m][1:]   # after the compiling step
     last = [m for m in lines if "val_bpb" in m][-1]
     return {"steps": last["step"], "keep_rate": statistics.mean(m["keep_rate"] for m in trained),

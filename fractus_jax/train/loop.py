@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Optional
 
 import jax
@@ -80,6 +81,13 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
         raise
     rd.close()
     return last
+
+
+def run_quietly(cfg: TrainConfig, workdir) -> list[dict]:
+    """Train cfg into workdir with no bar and no log lines (one row of a script's table);
+    the records of its metrics log."""
+    run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
+    return [m for _, m in rundir.read_metrics(Path(workdir) / rundir.METRICS)]
 
 
 def restore(plan: Plan, ckpt, rd: rundir.RunDir, abstract, log):
