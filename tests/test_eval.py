@@ -48,9 +48,10 @@ def held_out_file(run, tmp_path_factory):
     return path
 
 
-def plain_loop(params, cfg, ids, lanes, chunk):
+def plain_loop(params, cfg, ids, lanes, chunk, restarts=None):
     """(mean CE with the carry, mean CE from a zero carry at each chunk, targets): the lanes
-    read by hand, forward_chunk and a float64 log-softmax, exact routing."""
+    read by hand, forward_chunk and a float64 log-softmax, exact routing. restarts
+    (n_chunks, lanes) bool: the lanes whose carry is set to zeros before each chunk."""
     cfg = cfg.replace(capacity_factor=None)
     lane_len = len(ids) // lanes
     n_chunks = (lane_len - 1) // chunk
@@ -59,6 +60,10 @@ def plain_loop(params, cfg, ids, lanes, chunk):
     state = fractus_jax.init_state(cfg, lanes)
     totals = [0.0, 0.0]
     for k in range(n_chunks):
+        if restarts is not None:
+            state = {name: np.moveaxis(np.moveaxis(np.asarray(a), model.STATE_ROW_AXIS[name], 0)
+                                       * ~restarts[k].reshape((lanes,) + (1,) * (a.ndim - 1)),
+                                       0, model.STATE_ROW_AXIS[name]) for name, a in state.items()}
         inputs = lane[:, k * chunk:(k + 1) * chunk]
         targets = lane[:, k * chunk + 1:(k + 1) * chunk + 1]
         logits, _, state_next = step(params, state, inputs, cfg)
@@ -81,11 +86,38 @@ def test_the_score_is_a_plain_loop_over_forward_chunk(run):
     ce, ce0, n = plain_loop(params, cfg, ids, 3, 16)
     assert got.n_ids == n == 3 * 31 * 16
     assert abs(got.ce - ce) <= 1e-5 and abs(got.ce_no_carry - ce0) <= 1e-5
+    assert got.ce == got.ce_warm   # no carry schedule: the carry as trained is the warm one
     # the carry carries something: a trained model scores the two ways apart
     assert abs(got.ce - got.ce_no_carry) > 1e-3
     targets = eval_lib.lane_targets(ids, 3, 16)
     assert got.n_bytes == eval_lib.count_bytes(targets)
     assert got.bpb == pytest.approx(got.nats / math.log(2) / got.n_bytes, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", [eval_lib.CarrySchedule(every=4), eval_lib.CarrySchedule(prob=0.3),
+                                      eval_lib.CarrySchedule(every=5, prob=0.2)])
+def test_a_carry_schedule_restarts_the_lanes_it_names_and_no_others(run, schedule):
+    _, workdir, plan = run
+    params, cfg = ckpt_lib.load_for_inference(workdir)
+    ids = np.asarray(plan.val.ids[:1500])
+    got = eval_lib.score(params, cfg, ids, lanes=3, chunk=16, schedule=schedule)
+    restarts = schedule.resets(31, 3)
+    assert 0 < restarts[1:].sum() < restarts[1:].size      # some lanes restart, not all
+    ce, ce0, _ = plain_loop(params, cfg, ids, 3, 16, restarts)
+    warm, _, _ = plain_loop(params, cfg, ids, 3, 16)
+    assert abs(got.ce - ce) <= 1e-5 and abs(got.ce_warm - warm) <= 1e-5 and abs(got.ce_no_carry - ce0) <= 1e-5
+    assert min(abs(ce - warm), abs(ce - ce0)) > 1e-4       # a third figure, neither of the others
+    assert (schedule.resets(31, 3) == restarts).all()      # the same draws every time
+
+
+def test_a_run_that_restarts_its_carry_every_step_is_scored_from_a_zero_carry(run):
+    _, workdir, plan = run
+    params, cfg = ckpt_lib.load_for_inference(workdir)
+    ids = np.asarray(plan.val.ids[:1000])
+    plain = eval_lib.score(params, cfg, ids, lanes=2, chunk=16)
+    every = eval_lib.score(params, cfg, ids, lanes=2, chunk=16, schedule=eval_lib.CarrySchedule(every=1))
+    assert every.ce == every.ce_no_carry == plain.ce_no_carry and every.ce_warm == plain.ce_warm
+    assert every.bpb == every.bpb_no_carry and every.to_json()["carry_reset_every"] == 1
 
 
 def test_the_trainer_logs_what_the_command_reports(run, capsys):
@@ -94,8 +126,9 @@ def test_the_trainer_logs_what_the_command_reports(run, capsys):
     evaluated = {m["step"]: m for m in lines if "val_ce" in m}
     assert sorted(evaluated) == [3, 6]
     for m in evaluated.values():
-        for key in ("val_ce", "val_bpb", "val_ce_no_carry", "val_bpb_no_carry"):
+        for key in ("val_ce", "val_bpb", "val_ce_warm", "val_bpb_warm", "val_ce_no_carry", "val_bpb_no_carry"):
             assert math.isfinite(m[key]), key
+        assert m["val_ce"] == m["val_ce_warm"]   # no carry schedule: as trained is warm
     assert evaluated[3]["val_ce"] != evaluated[6]["val_ce"]
     # the held-out end is outside every lane the trainer read
     assert plan.train.n_ids == plan.corpus.n_ids - int(plan.corpus.n_ids * 0.1) == plan.val.start

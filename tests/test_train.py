@@ -24,6 +24,8 @@ from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
 from fractus_jax.train.errors import TrainError
 
+from engine_testing import move_off_init
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -315,6 +317,22 @@ def test_probes_at_init(corpus_file):
     assert list((hits > 0).sum(-1)) == out["alive_experts"]
 
 
+def test_the_speech_probe_decodes_as_the_run_trained(corpus_file):
+    from fractus_jax.atom import decode
+    from fractus_jax.atom.corpus import open_corpus
+    from fractus_jax.decode import decode_ids
+    from fractus_jax.train.probes import SPEECH_STEPS, Prober
+
+    assert Prober(tiny(corpus_file), open_corpus(corpus_file)).speech_mode == {"mode": "step"}
+    cfg = tiny(corpus_file, "carry_reset_every=1")   # every chunk from the initial carry: the window function
+    prober = Prober(cfg, open_corpus(corpus_file))
+    assert prober.speech_mode == {"mode": "window", "window": cfg.seq_len} and cfg.trained_window() == 16
+    state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(0))
+    params = move_off_init(state["params"], jax.random.PRNGKey(1))
+    ids, _, n = decode_ids(params, prober.decode_cfg, prober.prompt, SPEECH_STEPS, mode="window", window=16)
+    assert prober.run(params)["speech_text"] == decode(np.asarray(ids)[0, :int(n[0])])
+
+
 def test_the_loop_lowers_the_step_once(corpus_file, tmp_path):
     """No recompilation inside the loop: 6 steps with saves and logging lower the step once
     (a shape, dtype or weak type drifting between steps would lower it again)."""
@@ -468,7 +486,8 @@ def test_the_end_of_a_run_says_where_its_outputs_are(corpus_file, tmp_path):
     assert "scripts/plot_metrics.py" in err and (ROOT / "scripts" / "plot_metrics.py").exists()
     assert f"python -m fractus_jax.eval --ckpt {workdir}" in err
     held = next(line for line in err.splitlines() if line.startswith("held-out ("))
-    assert "256 ids" in held and "val_bpb" in held and "from a zero carry" in held
+    assert "256 ids" in held and "val_bpb" in held and "the carry as trained (restarted at every chunk)" in held
+    assert "carry streamed along each lane: val_ce" in held and "from a zero carry" not in held
     assert err.index("run directory:") > err.index("compiling the train step")   # at the end
     # stopped short of max_steps: the same command resumes
     summary = loop_summary(args[:-2] + ["--set=max_steps=5"], workdir)

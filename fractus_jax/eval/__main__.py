@@ -7,8 +7,10 @@
 text the run did not train on with `python -m fractus_jax.atom build --src TEXT --out
 FILE.u16`. Without --corpus, the part the run held out (its val_fraction's end of the
 corpus, or its val_corpus). The ids are cut into B lanes (default: the run's batch_size)
-read in chunks of C (default: its seq_len), the carry streaming from chunk to chunk as
-in training; each chunk is also scored from a zero carry (ce_no_carry).
+read in chunks of C (default: its seq_len). `ce` streams the carry from chunk to chunk
+and restarts it on the run's carry_reset_every / carry_reset_prob, as in training;
+`ce_warm` streams it along the whole lane, never restarted; `ce_no_carry` scores each
+chunk from a zero carry.
 """
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from fractus_jax.atom.corpus import CorpusError
     from fractus_jax.eval import EvalError, Scorer
     from fractus_jax.train import checkpoint as ckpt_lib
+    from fractus_jax.train.heldout import carry_schedule
 
     def fail(msg):
         print(f"error: {msg}", file=sys.stderr)
@@ -99,7 +102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ids = ids[:args.ids]
         lanes = args.lanes or cfg.batch_size
         chunk = args.chunk or cfg.seq_len
-        scorer = Scorer(cfg.model, lanes, chunk, feats=cfg.feats)
+        scorer = Scorer(cfg.model, lanes, chunk, feats=cfg.feats, schedule=carry_schedule(cfg))
         scorer.layout(len(ids))   # too few ids: refused before any array is read
         state, _ = ckpt_lib.restore_one_device(run_dir, step, cfg, items=("params",))
         result = scorer.score(state["params"], ids, progress=not args.no_progress, desc=f"step {step}")
@@ -113,8 +116,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{run_dir} step {step} on {source}")
     print(f"  {result.n_ids} ids ({result.lanes} lanes x {result.n_chunks} chunks of {result.chunk})"
           + ("" if result.n_bytes is None else f", {result.n_bytes} bytes"))
-    print(f"  carry streamed across chunks: ce {result.ce:.4f} nats/id{bpb(result.bpb)}")
-    print(f"  carry reset at every chunk:   ce {result.ce_no_carry:.4f} nats/id{bpb(result.bpb_no_carry)}")
+    if not (result.schedule.never or result.schedule.every_chunk):
+        print(f"  carry as trained ({result.schedule.describe()}): "
+              f"ce {result.ce:.4f} nats/id{bpb(result.bpb)}")
+    trained = lambda same: " (as trained)" if same else ""  # noqa: E731
+    print(f"  carry streamed along the lane{trained(result.schedule.never)}: "
+          f"ce {result.ce_warm:.4f} nats/id{bpb(result.bpb_warm)}")
+    print(f"  carry reset at every chunk{trained(result.schedule.every_chunk)}: "
+          f"ce {result.ce_no_carry:.4f} nats/id{bpb(result.bpb_no_carry)}")
     return 0
 
 

@@ -14,6 +14,7 @@ from fractus_jax.atom.corpus import CorpusError
 from fractus_jax.train import checkpoint, config, data, loop
 from fractus_jax.train import plan as plan_lib
 from fractus_jax.train.errors import TrainError
+from fractus_jax.train.heldout import carry_schedule
 from fractus_jax.train.rundir import METRICS
 
 
@@ -84,12 +85,15 @@ def held_out_line(plan, last: dict):
     n = min(cfg.val_ids, plan.val.n_ids)
     where = (str(plan.val.path) if cfg.val_corpus else
              f"the {plan.val.n_ids} ids held out at the end of {Path(plan.corpus.path).name}")
-    line = f"held-out ({n} ids of {where}, {cfg.val_lanes} lanes): val_ce {last['val_ce']:.4f}"
-    if last.get("val_bpb") is not None:
-        line += f" val_bpb {last['val_bpb']:.4f} bits/byte"
-    line += f"; from a zero carry at every chunk: val_ce {last['val_ce_no_carry']:.4f}"
-    if last.get("val_bpb_no_carry") is not None:
-        line += f" val_bpb {last['val_bpb_no_carry']:.4f}"
+    figures = lambda ce, bpb: f"val_ce {last[ce]:.4f}" + (  # noqa: E731
+        "" if last.get(bpb) is None else f" val_bpb {last[bpb]:.4f} bits/byte")
+    schedule = carry_schedule(cfg)
+    line = (f"held-out ({n} ids of {where}, {cfg.val_lanes} lanes): {figures('val_ce', 'val_bpb')}, "
+            f"the carry as trained ({schedule.describe()})")
+    if not schedule.never and "val_ce_warm" in last:
+        line += f"; carry streamed along each lane: {figures('val_ce_warm', 'val_bpb_warm')}"
+    if not schedule.every_chunk:
+        line += f"; from a zero carry at every chunk: {figures('val_ce_no_carry', 'val_bpb_no_carry')}"
     return line
 
 
@@ -122,7 +126,7 @@ def outputs_summary(args, argv, cfg, manifest) -> str:
         lines.append(f"  resume (the same command): {shlex.join(['python', '-m', 'fractus_jax.train', *argv])}")
     if manifest is not None:
         # a carry reset at every step trained the window function (docs/generation.md)
-        window = f" --mode window --window {cfg.seq_len}" if cfg.carry_reset_every == 1 else ""
+        window = f" --mode window --window {cfg.trained_window()}" if cfg.trained_window() else ""
         lines.append(f"  generate: python -m fractus_jax.generate --ckpt {q(str(workdir))} --prompt 'def main('{window}")
         held = cfg.val_fraction or cfg.val_corpus
         lines.append(f"  evaluate: python -m fractus_jax.eval --ckpt {q(str(workdir))}"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fractus_jax.eval import Scorer
+from fractus_jax.eval import CarrySchedule, Scorer
 from fractus_jax.train.config import TrainConfig
 
 
@@ -12,19 +12,24 @@ def val_slice(cfg: TrainConfig, val):
     return val.ids[:cfg.val_ids]
 
 
+def carry_schedule(cfg: TrainConfig) -> CarrySchedule:
+    """The run's carry restarts, as scoring applies them to its held-out lanes."""
+    return CarrySchedule(every=cfg.carry_reset_every, prob=cfg.carry_reset_prob)
+
+
 class HeldOut:
     """The trainer's held-out score: the fixed slice (`val_slice`) in val_lanes lanes,
-    chunks of seq_len, the carry flowing from a zero start, scored by fractus_jax.eval
-    (exact routing), so `python -m fractus_jax.eval --ids val_ids --lanes val_lanes`
-    on a checkpoint gives the value logged at its step."""
+    chunks of seq_len, the carry from a zero start restarted on the run's schedule, scored
+    by fractus_jax.eval (exact routing), so `python -m fractus_jax.eval --ids val_ids
+    --lanes val_lanes` on a checkpoint gives the values logged at its step."""
 
     def __init__(self, cfg: TrainConfig, val):
         self.ids = np.asarray(val_slice(cfg, val), np.int32)
-        self.scorer = Scorer(cfg.model, cfg.val_lanes, cfg.seq_len, feats=cfg.feats)
+        self.scorer = Scorer(cfg.model, cfg.val_lanes, cfg.seq_len, feats=cfg.feats, schedule=carry_schedule(cfg))
 
     def run(self, params) -> dict:
         s = self.scorer.score(params, self.ids)
-        out = {"val_ce": s.ce, "val_ce_no_carry": s.ce_no_carry}
+        out = {"val_ce": s.ce, "val_ce_warm": s.ce_warm, "val_ce_no_carry": s.ce_no_carry}
         if s.n_bytes:
-            out.update(val_bpb=s.bpb, val_bpb_no_carry=s.bpb_no_carry)
+            out.update(val_bpb=s.bpb, val_bpb_warm=s.bpb_warm, val_bpb_no_carry=s.bpb_no_carry)
         return out

@@ -5,7 +5,9 @@ same corpus rows every time), so values are comparable across steps and across r
   * ce / echo: teacher-forced CE on probe rows, and the fraction of positions whose argmax
     repeats the input id (an echoing model has low CE on repetitive text, and no speech);
   * the speech gate: greedy decoding of 40 ids from an open prefix; unique ids and unique
-    bytes among them (a model that only emits spaces has 1);
+    bytes among them (a model that only emits spaces has 1). It decodes as the run trained:
+    the carry streamed (step mode), or the window of seq_len ids for a run whose every
+    chunk started from the initial carry (`TrainConfig.trained_window`);
   * AR eval: warm on 32 true ids, then 32 greedy steps fed back; CE of those predictions
     against the true continuation and the rate of exact matches;
   * load balance per block: lb, expert hits, alive experts (≥ 1 hit), capacity keep rate.
@@ -80,6 +82,8 @@ class Prober:
         self.rows = jnp.asarray(_probe_rows(corpus, PROBE_ROWS, max(PROBE_LEN, WARM + FREE)))
         self._tf = jax.jit(_teacher_forced, static_argnums=2)
         self._ar = jax.jit(_ar_eval, static_argnums=2)
+        window = cfg.trained_window()
+        self.speech_mode = {"mode": "window", "window": window} if window else {"mode": "step"}
         self.prompt = None
         if self.cfg.vocab_size == ATOM_VOCAB:
             self.prompt = jnp.asarray(encode_open(SPEECH_PROMPT), jnp.int32)[None]
@@ -95,7 +99,8 @@ class Prober:
                "alive_experts": [int(x) for x in tf["alive_experts"]],
                "expert_hits": np.asarray(tf["expert_hits"], np.int64).tolist()}
         if self.prompt is not None:
-            ids, _, n_valid = jax.device_get(decode_ids(params, self.decode_cfg, self.prompt, SPEECH_STEPS))
+            ids, _, n_valid = jax.device_get(decode_ids(params, self.decode_cfg, self.prompt, SPEECH_STEPS,
+                                                         **self.speech_mode))
             gen = ids[0, : int(n_valid[0])]
             unique_ids, unique_bytes = speech_counts(gen)
             out.update(speech_unique_ids=unique_ids, speech_unique_bytes=unique_bytes,
