@@ -1,17 +1,10 @@
-"""Test setup: 8 fake CPU devices (for the sharding tests) before JAX initialises, XLA:CPU's
-code generation at -O0, and a persistent compilation cache for the CLI subprocesses, so
-that each of their programs is compiled once per machine."""
+"""Test setup: 8 fake CPU devices (for the sharding tests) before JAX initialises, and a
+persistent compilation cache for the CLI subprocesses, so that each of their programs is
+compiled once per machine."""
 import os
 import tempfile
 
-# --xla_backend_optimization_level=0: the tests' programs are tiny, and compiling them, not
-# running them, is most of the suite's time. XLA's own passes (fusion, layout, sharding)
-# still run; only LLVM's optimisation of the machine code is skipped, which cut the
-# compilations by about a third (a third of most modules' time) while the steps ran in
-# milliseconds still. The results differ from -O2's by rounding only (another order of
-# float32 sums); every comparison in the suite is between programs compiled alike or within
-# a tolerance. Subprocesses inherit it (engine_testing.subprocess_xla_flags).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Subprocesses (CLI tests) inherit these through the environment.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fractus_jax_test_xla_cache"))

@@ -1,14 +1,5 @@
 """Shared helpers for the engine tests."""
-import os
-
 import jax
-
-
-def subprocess_xla_flags() -> str:
-    """The tests' XLA_FLAGS (conftest.py) less the 8 fake devices: for subprocesses that set
-    their own device count (--local-devices) or run on the machine's one CPU device."""
-    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                    if not f.startswith("--xla_force_host_platform_device_count"))
 
 
 def move_off_init(params, key, scale=0.3):

@@ -20,8 +20,6 @@ from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import state as state_lib
 
-from engine_testing import subprocess_xla_flags
-
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["batch_size=8", "model.moe_group_rows=1", "optimizer=sgd", "lr=0.05", "mesh.data=2", "mesh.fsdp=4"]
 
@@ -56,7 +54,7 @@ def _free_port() -> int:
 def launch(workdir, corpus_file, overrides, hooks=None, timeout=400):
     """Both processes' stderr; each must exit 0. hooks: {process: dict(offset=, rate=, sigterm_after=)}."""
     hooks = hooks or {}
-    env = {**os.environ, "XLA_FLAGS": subprocess_xla_flags()}   # --local-devices sets the device count
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     port = _free_port()
     sets = [f"--set={o}" for o in [f"corpus={corpus_file}", *RUN, *overrides]]
     procs = []

@@ -19,8 +19,6 @@ from fractus_jax.train import state as state_lib
 from fractus_jax.train.data import LaneReader, global_batch
 from fractus_jax.train.step import batch_shardings, jit_train_step
 
-from engine_testing import subprocess_xla_flags
-
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(1, 1), (2, 4), (8, 1)]
 SHARDED_RUN = ["batch_size=8", "model.moe_group_rows=1", "optimizer=sgd", "lr=0.05"]
@@ -115,7 +113,7 @@ def _free_port() -> int:
 def test_two_processes_on_localhost_match_one(corpus_file, tmp_path):
     overrides = [f"--set=corpus={corpus_file}", *[f"--set={o}" for o in SHARDED_RUN],
                  "--set=mesh.data=2", "--set=mesh.fsdp=4", *[f"--set={o}" for o in TWO_PROCESS_RUN]]
-    env = {**os.environ, "XLA_FLAGS": subprocess_xla_flags()}   # --local-devices sets the device count
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     port = _free_port()
     workdir = tmp_path / "two"
     procs = [subprocess.Popen(
