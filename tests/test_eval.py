@@ -61,9 +61,9 @@ def plain_loop(params, cfg, ids, lanes, chunk, restarts=None):
     totals = [0.0, 0.0]
     for k in range(n_chunks):
         if restarts is not None:
-            state = {name: np.moveaxis(np.moveaxis(np.asarray(a), model.STATE_ROW_AXIS[name], 0)
+            state = {name: np.moveaxis(np.moveaxis(np.asarray(a), model._STATE_ROW_AXIS[name], 0)
                                        * ~restarts[k].reshape((lanes,) + (1,) * (a.ndim - 1)),
-                                       0, model.STATE_ROW_AXIS[name]) for name, a in state.items()}
+                                       0, model._STATE_ROW_AXIS[name]) for name, a in state.items()}
         inputs = lane[:, k * chunk:(k + 1) * chunk]
         targets = lane[:, k * chunk + 1:(k + 1) * chunk + 1]
         logits, _, state_next = step(params, state, inputs, cfg)
@@ -105,8 +105,9 @@ def test_a_carry_schedule_restarts_the_lanes_it_names_and_no_others(run, schedul
     assert 0 < restarts[1:].sum() < restarts[1:].size      # some lanes restart, not all
     ce, ce0, _ = plain_loop(params, cfg, ids, 3, 16, restarts)
     warm, _, _ = plain_loop(params, cfg, ids, 3, 16)
-    assert abs(got.ce - ce) <= 1e-5 and abs(got.ce_warm - warm) <= 1e-5 and abs(got.ce_no_carry - ce0) <= 1e-5
-    assert min(abs(ce - warm), abs(ce - ce0)) > 1e-4       # a third figure, neither of the others
+    # float32 sums of 3 streams in one forward against 3 lanes alone: bounded, not bit-equal
+    assert abs(got.ce - ce) <= 1e-4 and abs(got.ce_warm - warm) <= 1e-4 and abs(got.ce_no_carry - ce0) <= 1e-4
+    assert min(abs(ce - warm), abs(ce - ce0)) > 1e-3       # a third figure, neither of the others
     assert (schedule.resets(31, 3) == restarts).all()      # the same draws every time
 
 
