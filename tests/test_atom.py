@@ -241,6 +241,27 @@ def test_features_aligned_bounded_deterministic():
     assert np.array_equal(f1[1], atom.atom_features(r[1]))
 
 
+def test_features_of_a_batch_are_each_rows_own():
+    """atom_features reads all rows in one pass: each row's features equal packet_features of
+    that row alone (its left ids first), bit for bit, whatever the other rows hold (documents
+    starting and ending inside rows, rows that start mid-packet, a packet cut by the row's
+    start)."""
+    ids = atom.encode("def f(x):\n    return x * 2  # twice\n" * 12 + "Ünïcode, ÇA VA? 12 34.\n" * 8)
+    ids = np.concatenate([ids, atom.encode("second document: short.")])
+    rows = np.stack([ids[s:s + 48] for s in range(0, 16 * 37, 37)])
+    left = np.stack([ids[max(s - 9, 0):max(s - 9, 0) + 9] for s in range(0, 16 * 37, 37)])
+    assert ((rows == atom.BOS).any(1)).any() and ((rows >= 259) & (rows <= 265)).sum() > 100
+    for lf in (None, left):
+        got = atom.atom_features(rows, left=lf)
+        for r in range(rows.shape[0]):
+            seq = rows[r] if lf is None else np.concatenate([lf[r], rows[r]])
+            off = 0 if lf is None else lf.shape[1]
+            pos, f = features.packet_features(seq)
+            want = np.zeros((rows.shape[1], features.FEAT_DIM), np.float32)
+            want[pos[pos >= off] - off] = f[pos >= off]
+            np.testing.assert_array_equal(got[r], want)
+
+
 def test_features_context_and_document_reset():
     a = atom.encode("alpha beta gamma delta ")
     b = atom.encode("omega psi chi phi ")

@@ -190,38 +190,144 @@ def build_corpus(sources: Sequence, out, *, field: str = "text", force: bool = F
                               f"bytes, expected {keep}); use --force to rebuild")
         with open(out, "rb") as src, open(tmp, "wb") as dst:
             _copy_prefix(src, dst, keep)
-    counts = np.zeros(VOCAB, np.int64)
     total = sum(f.stat().st_size for f in new)
     try:
         with open(tmp, "ab" if keep else "wb") as dst, \
                 _progress(total, progress, f"encoding {len(new)} files") as bar:
-            for f in new:
-                st = f.stat()
-                entry = {"path": str(f.resolve()), "size": int(st.st_size),
-                         "mtime": float(st.st_mtime), "offset": index["n_ids"],
-                         "n_ids": 0, "n_docs": 0}
-                for ids, docs in encode_source(f, field):
-                    dst.write(ids.astype("<u2", copy=False).tobytes())
-                    counts += np.bincount(ids, minlength=VOCAB)
-                    entry["n_ids"] += int(ids.size)
-                    entry["n_docs"] += docs
-                index["n_ids"] += entry["n_ids"]
-                index["n_docs"] += entry["n_docs"]
-                index["sources"].append(entry)
-                bar.update(st.st_size)
-            dst.flush()
-            os.fsync(dst.fileno())
+            _encode_into(dst, new, index, field, bar)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    index["n_text_bytes"] += int(counts[:256].sum())
-    for b in BOUNDARIES:
-        index["boundaries"][NAMES[b]] += int(counts[b])
     os.replace(tmp, out)
     _write_json(ip, index)
     log(f"{out}: {index['n_ids']} ids, {index['n_docs']} documents "
         f"({len(new)} sources added)")
     return index
+
+
+def _encode_into(dst, files: Sequence[Path], index: dict, field: str, bar) -> None:
+    """Append the ids of `files` to the open file `dst` (synced), recording them in `index`."""
+    counts = np.zeros(VOCAB, np.int64)
+    for f in files:
+        st = f.stat()
+        entry = {"path": str(f.resolve()), "size": int(st.st_size),
+                 "mtime": float(st.st_mtime), "offset": index["n_ids"],
+                 "n_ids": 0, "n_docs": 0}
+        for ids, docs in encode_source(f, field):
+            dst.write(ids.astype("<u2", copy=False).tobytes())
+            counts += np.bincount(ids, minlength=VOCAB)
+            entry["n_ids"] += int(ids.size)
+            entry["n_docs"] += docs
+        index["n_ids"] += entry["n_ids"]
+        index["n_docs"] += entry["n_docs"]
+        index["sources"].append(entry)
+        bar.update(st.st_size)
+    dst.flush()
+    os.fsync(dst.fileno())
+    index["n_text_bytes"] += int(counts[:256].sum())
+    for b in BOUNDARIES:
+        index["boundaries"][NAMES[b]] += int(counts[b])
+
+
+SHARD_PREFIX = "shard-"
+SHARD_BYTES = 256 << 20   # source bytes per shard written by build_shards
+
+
+def shard_number(path: Path) -> Optional[int]:
+    """N of a shard `shard-N.u16` that build_shards wrote, else None."""
+    stem = path.name[:-len(".u16")] if path.name.endswith(".u16") else ""
+    digits = stem[len(SHARD_PREFIX):]
+    return int(digits) if stem.startswith(SHARD_PREFIX) and digits.isdigit() else None
+
+
+def build_shards(sources: Sequence, out_dir, *, field: str = "text", shard_bytes: int = SHARD_BYTES,
+                 progress: bool = True, log: Callable[[str], None] = None) -> list[Path]:
+    """Encode the ``sources`` not yet in the directory ``out_dir`` into new shards after its
+    last one (``shard-000000.u16``, ``shard-000001.u16``, ...: sorted by name, they are the
+    stream in build order, so a run reading the directory takes them in as appended text),
+    about ``shard_bytes`` of source text each. Each shard is written whole to ``.tmp``, its
+    index ``.u16.json`` written, then the shard renamed into place: a shard file exists only
+    complete and indexed. A build killed before a rename leaves a ``.tmp`` and perhaps an
+    index with no shard: both are removed by the next build, which encodes their sources
+    again. Returns the new shards."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CorpusError(f"{out_dir}: exists and is not a directory")
+    if shard_bytes <= 0:
+        raise CorpusError(f"shard size must be positive, got {shard_bytes}")
+    files = expand_sources(sources)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    known, last = {}, -1
+    for p in sorted(out_dir.iterdir()):
+        if p.name.startswith(SHARD_PREFIX) and p.name.endswith(".tmp"):
+            p.unlink()   # a shard or index being written when a build stopped
+            continue
+        if p.name.endswith(".json") and shard_number(p.with_name(p.name[:-5])) is not None \
+                and not p.with_name(p.name[:-5]).exists():
+            p.unlink()   # an index whose shard was never renamed into place
+            continue
+        n = shard_number(p)
+        if n is None:
+            continue
+        last = max(last, n)
+        index = read_index(p)
+        if index is None:
+            raise CorpusError(f"{p}: a shard without its index {index_path(p).name}; move it away "
+                              "to encode its sources again")
+        open_corpus(p)   # the shard agrees with its index
+        known.update({s["path"]: s for s in index["sources"]})
+    new = []
+    for f in files:
+        key, st = str(f.resolve()), f.stat()
+        old = known.get(key)
+        if old is None:
+            new.append(f)
+        elif (old["size"], old["mtime"]) != (st.st_size, st.st_mtime):
+            log(f"warning: {f} changed since it was added; not re-added (a shard, once written, never changes)")
+    if not new:
+        log(f"{out_dir}: up to date ({last + 1} shards)")
+        return []
+    groups, size = [[]], 0
+    for f in new:
+        if groups[-1] and size + f.stat().st_size > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(f)
+        size += f.stat().st_size
+    written = []
+    with _progress(sum(f.stat().st_size for f in new), progress, f"encoding {len(new)} files") as bar:
+        for files_k in groups:
+            last += 1
+            shard = out_dir / f"{SHARD_PREFIX}{last:06d}.u16"
+            tmp = shard.with_name(shard.name + ".tmp")
+            index = _fresh_index()
+            try:
+                with open(tmp, "wb") as dst:
+                    _encode_into(dst, files_k, index, field, bar)
+                _write_json(index_path(shard), index)
+                os.replace(tmp, shard)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                index_path(shard).unlink(missing_ok=True)
+                raise
+            written.append(shard)
+    _sync_dir(out_dir)
+    log(f"{out_dir}: {len(written)} shards added ({len(new)} sources), {last + 1} in all")
+    return written
+
+
+def _sync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _copy_prefix(src, dst, nbytes: int) -> None:

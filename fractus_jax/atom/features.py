@@ -106,10 +106,13 @@ def packet_features(ids) -> tuple:
     out[:, F_LEN] = np.minimum(length, MAX_SPAN) / MAX_SPAN
     out[:, F_CLASSES:F_CLASSES + 8] = cls / np.maximum(length, 1)[:, None]
     out[:, F_SKETCH:F_SKETCH + SKETCH] = sk
-    csum = np.concatenate([np.zeros((1, SKETCH)), np.cumsum(sk, 0)])
-    lo = np.maximum(k - CONTEXT_PACKETS, doc_first)
-    cnt = k - lo
-    ctx = (csum[k] - csum[lo]) / np.maximum(cnt, 1)[:, None]
+    # The mean sketch of the up to CONTEXT_PACKETS packets before, summed nearest first: a
+    # packet's value depends on its own document's packets only, whatever else `ids` holds.
+    ctx = np.zeros((n, SKETCH))
+    for d in range(1, CONTEXT_PACKETS + 1):
+        ok = ordinal >= d
+        ctx[ok] += sk[k[ok] - d]
+    ctx /= np.maximum(np.minimum(ordinal, CONTEXT_PACKETS), 1)[:, None]
     out[:, F_CONTEXT:F_CONTEXT + SKETCH] = np.clip(ctx, 0.0, 1.0)
     for h in range(1, HISTORY + 1):
         ok = ordinal >= h
@@ -143,11 +146,18 @@ def atom_features(ids, left=None) -> np.ndarray:
         lrows = lf.reshape(-1, lf.shape[-1])
         if lrows.shape[0] != rows.shape[0]:
             raise ValueError(f"left has {lrows.shape[0]} rows, ids has {rows.shape[0]}")
+    # All rows in one pass: each row (its left ids first) behind a BOS, which ends the row
+    # before it without a packet and starts a document, so no row sees another's packets.
+    n_rows, n_cols = rows.shape
+    off = 1 + (0 if lrows is None else lrows.shape[1])
+    seq = np.empty((n_rows, off + n_cols), np.int64)
+    seq[:, 0] = BOS
+    if lrows is not None:
+        seq[:, 1:off] = lrows
+    seq[:, off:] = rows
+    pos, f = packet_features(seq.reshape(-1))
+    row, col = np.divmod(pos, off + n_cols)
+    keep = col >= off
     out = np.zeros(rows.shape + (FEAT_DIM,), np.float32)
-    for r in range(rows.shape[0]):
-        seq = rows[r] if lrows is None else np.concatenate([lrows[r], rows[r]])
-        off = 0 if lrows is None else lrows.shape[1]
-        pos, f = packet_features(seq)
-        keep = pos >= off
-        out[r, pos[keep] - off] = f[keep]
+    out[row[keep], col[keep] - off] = f[keep]
     return out.reshape(x.shape + (FEAT_DIM,))

@@ -18,6 +18,8 @@ SUBCOMMANDS = {
                   "fwd+bwd milliseconds of the linear-attention kernels at the 1B shapes"),
     "train": ("fractus_jax.bench.train",
               "the trainer's step: ids/s, analytic FLOPs per id, MFU against a measured peak"),
+    "lanes": ("fractus_jax.bench.lanes",
+              "the lane reader's ids/s from a set of shards against one file"),
     "profile": ("fractus_jax.bench.profile",
                 "where the trainer's step spends its time: op time by component, pass, kind"),
 }

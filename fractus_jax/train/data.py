@@ -23,30 +23,6 @@ class DataError(ValueError):
     """The corpus cannot serve this batch shape."""
 
 
-class JoinedIds:
-    """Two id arrays read as one (the corpus before and after its held-out range): len, and
-    slices with step 1, each reading only what it covers."""
-
-    def __init__(self, head, tail):
-        self.head, self.tail = head, tail
-        self.shape = (len(head) + len(tail),)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __getitem__(self, key):
-        if not isinstance(key, slice) or key.step not in (None, 1):
-            raise TypeError("JoinedIds reads slices with step 1 only")
-        start, stop, _ = key.indices(len(self))
-        stop = max(start, stop)
-        n = len(self.head)
-        if stop <= n:
-            return self.head[start:stop]
-        if start >= n:
-            return self.tail[start - n:stop - n]
-        return np.concatenate([self.head[start:], self.tail[:stop - n]])
-
-
 class LaneReader:
     def __init__(self, ids, batch_size: int, seq_len: int, accum: int = 1,
                  rows: Optional[Sequence[int]] = None, source: str = "corpus"):

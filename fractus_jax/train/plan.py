@@ -15,6 +15,7 @@ import jax
 
 from fractus_jax.atom import corpus as corpus_lib
 from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
+from fractus_jax.atom.reader import JoinedIds
 from fractus_jax.config import WEIGHT_FIELDS
 from fractus_jax.eval import EvalError, lane_layout
 from fractus_jax.grow import GrowthError
@@ -22,7 +23,7 @@ from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import rundir
 from fractus_jax.train.config import TrainConfig, resolve_for_mesh
-from fractus_jax.train.data import DataError, JoinedIds, LaneReader
+from fractus_jax.train.data import DataError, LaneReader
 from fractus_jax.train.errors import TrainError
 
 
@@ -60,7 +61,7 @@ class TrainPart:
         if self.held is None or self.n_ids <= self.held[0]:
             return ids[:self.n_ids]
         start, end = self.held
-        return JoinedIds(ids[:start], ids[end:end + self.n_ids - start])
+        return JoinedIds([ids[:start], ids[end:end + self.n_ids - start]])
 
     @property
     def path(self):
