@@ -1,10 +1,20 @@
 """Test setup: 8 fake CPU devices (for the sharding tests) before JAX initialises, and a
 persistent compilation cache for the CLI subprocesses, so that each of their programs is
-compiled once per machine."""
+compiled once per machine.
+
+No silent skips: the device-count flag is added to an XLA_FLAGS already set (one that names
+a count of its own keeps it); a test marked `devices(n)` fails on a CPU with fewer devices
+(the flag went missing), and skips, saying so, only on another platform; a skip for a
+failing import of this project's own code (`pytest.importorskip("fractus_jax...")`) is
+reported as a failure."""
 import os
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+FAKE_DEVICES = 8
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_flags = os.environ.get("XLA_FLAGS", "")
+if DEVICE_COUNT_FLAG not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} {DEVICE_COUNT_FLAG}={FAKE_DEVICES}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Subprocesses (CLI tests) inherit these through the environment.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fractus_jax_test_xla_cache"))
@@ -46,3 +56,53 @@ def _release_compiled_programs():
     compiler instead of failing a test."""
     yield
     jax.clear_caches()
+
+
+# ----------------------------------------------------------------------------- no silent skips
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "devices(n): needs n devices; on CPU, fewer fails the test "
+                                       "(conftest's fake devices went missing)")
+
+
+def require_devices(n: int) -> None:
+    """Fail when this CPU has fewer than n (fake) devices; skip, naming the platform, on another."""
+    have, platform = jax.device_count(), jax.default_backend()
+    if have >= n:
+        return
+    if platform == "cpu":
+        pytest.fail(f"this test needs {n} devices and JAX has {have} CPU devices: XLA_FLAGS is "
+                    f"{os.environ.get('XLA_FLAGS')!r} (conftest adds {DEVICE_COUNT_FLAG}={FAKE_DEVICES} "
+                    "unless a count is set already)", pytrace=False)
+    pytest.skip(f"needs {n} devices; this {platform} machine has {have}")
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("devices"):
+        require_devices(*mark.args)
+
+
+PROJECT_IMPORT_SKIP = "could not import 'fractus_jax"   # pytest.importorskip's reason, for our modules
+
+
+def _project_import_skip(report) -> bool:
+    longrepr = report.longrepr
+    return report.skipped and isinstance(longrepr, tuple) and PROJECT_IMPORT_SKIP in str(longrepr[2])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if _project_import_skip(report):
+        report.outcome = "failed"
+        report.longrepr = f"a failing import of the project's own code is a failure, not a skip: {report.longrepr[2]}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if _project_import_skip(report):
+        report.outcome = "failed"
+        report.longrepr = f"a failing import of the project's own code is a failure, not a skip: {report.longrepr[2]}"

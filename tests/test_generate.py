@@ -13,6 +13,9 @@ import pytest
 from fractus_jax import atom, config, model
 from fractus_jax import decode as dec
 from fractus_jax import generate as gen
+from fractus_jax.train import checkpoint as ckpt
+from fractus_jax.train import config as tconfig
+from fractus_jax.train import state as tstate
 from engine_testing import move_off_init
 
 CFG = config.tiny(capacity_factor=None)
@@ -302,9 +305,6 @@ def test_cli_missing_dir_bad_checkpoint_and_wrong_engine(tmp_path, monkeypatch, 
 
 @pytest.mark.slow   # the 450-step memorisation fixture
 def test_cli_loads_a_real_run_directory(trained, tmp_path, capsys):
-    ckpt = pytest.importorskip("fractus_jax.train.checkpoint")
-    tconfig = pytest.importorskip("fractus_jax.train.config")
-    tstate = pytest.importorskip("fractus_jax.train.state")
     params, stream, _ = trained
     tcfg = tconfig.TrainConfig(model=CFG, batch_size=1, seq_len=len(stream) - 1)
     state = {"params": params, "opt_state": tstate.make_optimizer(tcfg, params).init(params),
@@ -325,9 +325,6 @@ def test_cli_loads_a_real_run_directory(trained, tmp_path, capsys):
 
 def _saved_run(path, step=3):
     """A run directory holding one checkpoint (an untrained tiny engine) at `step`."""
-    ckpt = pytest.importorskip("fractus_jax.train.checkpoint")
-    tconfig = pytest.importorskip("fractus_jax.train.config")
-    tstate = pytest.importorskip("fractus_jax.train.state")
     params = model.init_params(CFG, jax.random.PRNGKey(1))
     tcfg = tconfig.TrainConfig(model=CFG, batch_size=1, seq_len=8)
     state = {"params": params, "opt_state": tstate.make_optimizer(tcfg, params).init(params),

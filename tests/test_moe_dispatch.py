@@ -146,7 +146,7 @@ def test_keep_rate_watch_window_floor_and_repeat():
     assert watch.KeepRateWatch(None).update(1, 0.0) is None               # dropless: nothing to say
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("capacity", ["none", "1.25"], ids=["dropless", "cf=1.25"])
 def test_the_trained_function_does_not_depend_on_the_mesh(corpus_file, tmp_path, capacity):
     """tiny's defaults (AdamW) with batch 8 on 1, 2×4 and 8×1 devices end at the same
@@ -183,7 +183,7 @@ def test_the_trained_function_does_not_depend_on_the_mesh(corpus_file, tmp_path,
         assert worst <= 2e-3, (mesh, worst)
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+@pytest.mark.devices(8)
 def test_a_capacity_group_spanning_devices_is_refused(corpus_file, tmp_path):
     cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [
         f"corpus={corpus_file}", "batch_size=8", "model.capacity_factor=2", "model.moe_group_rows=2",

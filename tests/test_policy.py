@@ -6,9 +6,15 @@ import os
 import signal
 import threading
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import state as state_lib
 from fractus_jax.train import policy
 from fractus_jax.train.errors import TrainError
 from fractus_jax.train.policy import DEADLINE_SLACK_SECONDS, Decision, StopSavePolicy, Vote, decide
@@ -101,14 +107,85 @@ def test_the_deadline_margin_is_two_steps_one_and_a_half_saves_and_a_second(cloc
 
 
 def test_the_save_time_reserved_is_the_slowest_of_the_last_saves():
-    times = ckpt_lib.CommitTimes()
-    assert times.seconds() == ckpt_lib.COMMIT_GUESS_SECONDS
+    times = ckpt_lib.CommitTimes(guess=7.0)
+    assert times.seconds() == 7.0
     times.add(2.0)
     times.add(0.5)
     assert times.seconds() == 2.0   # one slow write is the one a deadline must allow for
     for _ in range(ckpt_lib.RECENT_COMMITS - 1):
         times.add(0.5)
     assert times.seconds() == 0.5   # it left the window
+
+
+# ----------------------------------------------------------------------------- a deadline sized to the state
+
+def _abstract_state(name):
+    return state_lib.abstract_train_state(cfg_lib.load_config(name))   # jax.eval_shape: nothing allocated
+
+
+def test_a_small_run_trains_to_within_seconds_of_its_deadline(clock, tmp_path):
+    """tiny's state (0.6 MB) is saved in well under the floor: before any save is timed, the
+    run reserves two steps, 1.5 x the 2 s floor and a second, not 1.5 x 30 s. The clock is
+    the test's: 0.05 s steps towards a deadline 150 s away."""
+    ckpt = ckpt_lib.RunCheckpointer(tmp_path, asynchronous=True)
+    try:
+        ckpt.expect(_abstract_state("tiny"))
+        assert ckpt.save_seconds() == ckpt_lib.FIRST_SAVE_FLOOR_SECONDS
+        deadline = clock.t + 150
+        p = StopSavePolicy(0, deadline)
+        step = 0
+        while True:
+            step += 1
+            if p.at_step(step, None, ckpt, 0.05).stop is not None:
+                break
+            clock.t += 0.05
+    finally:
+        ckpt.close()
+    left = deadline - clock.t
+    margin = policy.deadline_margin(0.05, ckpt_lib.FIRST_SAVE_FLOOR_SECONDS)
+    assert margin == pytest.approx(2 * 0.05 + 1.5 * 2.0 + DEADLINE_SLACK_SECONDS)
+    # It stops at the first step whose margin would reach the deadline, and no sooner.
+    assert margin - 0.05 <= left <= margin and left < 5.0, (step, left)
+
+
+def test_the_state_counts_what_this_process_writes():
+    """A replicated array is written once (its replica-0 shard), a sharded one whole."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    n = len(jax.devices())
+    assert n >= 2   # conftest's fake devices: otherwise the two cases below are one
+    x = np.zeros((8 * n, 4), np.float32)
+    rep = jax.device_put(x, NamedSharding(mesh, P()))
+    split = jax.device_put(x, NamedSharding(mesh, P("data")))
+    assert ckpt_lib.save_bytes({"a": rep}) == (x.nbytes, x.nbytes)
+    assert ckpt_lib.save_bytes({"a": split, "b": rep}) == (2 * x.nbytes, 2 * x.nbytes)
+    abstract = jax.ShapeDtypeStruct((3, 5), jnp.bfloat16)
+    assert ckpt_lib.save_bytes([abstract]) == (30, 30)
+
+
+def test_atom_1b_s_first_margin_covers_its_12_gb_state(clock, tmp_path):
+    abstract = _abstract_state("atom_1b")
+    written, whole = ckpt_lib.save_bytes(abstract)
+    params = sum(ckpt_lib.save_bytes(abstract[k])[1] for k in ("params", "opt_state"))
+    assert 11e9 < params <= whole < 13e9 and written == whole   # weights + AdamW moments, one process
+    guess = ckpt_lib.first_save_seconds(abstract)
+    assert guess >= written / ckpt_lib.SAVE_WRITE_BYTES_PER_SECOND
+    assert guess >= 12e9 / 200e6   # 12 GB on a 200 MB/s disk
+    ckpt = ckpt_lib.RunCheckpointer(tmp_path, asynchronous=True)
+    try:
+        ckpt.expect(abstract)
+        assert ckpt.save_seconds() == guess
+        # The policy stops a run whose deadline is 1.5 x (12 GB at 100 MB/s) away, at its
+        # first step; a run twice as far from it trains on.
+        step_seconds = 1.0
+        far = 1.5 * 12e9 / 100e6
+        assert StopSavePolicy(0, clock.t + far).at_step(1, None, ckpt, step_seconds).stop == "deadline near"
+        assert StopSavePolicy(0, clock.t + 2 * far).at_step(1, None, ckpt, step_seconds).stop is None
+        # A save timed replaces the guess.
+        ckpt.commits.add(20.0)
+        assert ckpt.save_seconds() == 20.0
+        assert StopSavePolicy(0, clock.t + far).at_step(1, None, ckpt, step_seconds).stop is None
+    finally:
+        ckpt.close()
 
 
 # ----------------------------------------------------------------------------- two processes

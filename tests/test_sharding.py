@@ -27,7 +27,7 @@ STEPS = 3
 # one compiled for the one-process run beside it (no second compilation in the module).
 TWO_PROCESS_RUN = ["max_steps=2", "save_every=2"]
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+pytestmark = pytest.mark.devices(8)   # conftest's fake devices: fewer fails
 
 
 def _cfg(corpus_file, data, fsdp):

@@ -225,7 +225,7 @@ def _deadline_run(cfg, workdir):
     return last["step"], (workdir / "manifest.json").stat().st_mtime
 
 
-def test_deadline_saves_and_stops_before_it(corpus_file, tmp_path, monkeypatch):
+def test_deadline_saves_and_stops_before_it(corpus_file, tmp_path):
     # A deadline already past: the step in flight is saved. Its duration, most of it the
     # step's compilation, is what the timed run below needs before its first step.
     t0 = time.time()
@@ -233,9 +233,9 @@ def test_deadline_saves_and_stops_before_it(corpus_file, tmp_path, monkeypatch):
     assert step == 1
     startup = time.time() - t0
 
-    # The 30 s guess of a first save would stop a run seconds from its deadline at step 1;
-    # the saves every 10 steps replace it with measured times, as in a long run.
-    monkeypatch.setattr(ckpt_lib, "COMMIT_GUESS_SECONDS", 0.5)
+    # Before its first save is timed, the run reserves one sized by its 0.6 MB state (the
+    # 2 s floor), not 30 s, which would stop it at step 1; the saves every 10 steps replace
+    # it with measured times, as in a long run.
     deadline = time.time() + startup + 10
     cfg = tiny(corpus_file, "max_steps=4000", "save_every=10", f"deadline={deadline}")
     step, committed = _deadline_run(cfg, tmp_path / "run")

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from fractus_jax.train import rundir
@@ -37,25 +38,58 @@ from fractus_jax.train.rundir import (CHECKPOINTS, FORMAT_VERSION, MANIFEST, Che
                                       read_manifest, write_json_atomic)
 
 ITEMS = ("params", "opt_state", "extra", "meta")
-COMMIT_GUESS_SECONDS = 30.0   # a save's time to commit, until one is measured
 RECENT_COMMITS = 5            # the deadline margin reserves the slowest of this many last saves
 CHECKSUMS = "checksums.json"
 CHECKED_FINITE = ("params", "opt_state")
 
+# A save not yet timed is sized by its state (`first_save_seconds`): the bytes this process
+# writes at SAVE_WRITE_BYTES_PER_SECOND, plus the whole step read back for its checksums
+# (process 0 hashes every file) at CHECKSUM_READ_BYTES_PER_SECOND, and never less than
+# FIRST_SAVE_FLOOR_SECONDS. The rates are those of a slow pod disk, not of a fast one: a
+# deadline guessed long costs a few minutes of a run, one guessed short loses what the
+# last save left out. atom_1b on one host (11.9 GB: weights, AdamW moments, carry): 143 s.
+SAVE_WRITE_BYTES_PER_SECOND = 100e6
+CHECKSUM_READ_BYTES_PER_SECOND = 500e6
+FIRST_SAVE_FLOOR_SECONDS = 2.0
+
+
+def save_bytes(state) -> tuple[int, int]:
+    """(bytes this process writes, bytes of the whole step) of a train state's saved arrays
+    (params, opt_state, carry, step, skipped). Of a jax array this process writes the shards
+    it holds as replica 0, as Orbax has it; an abstract state (jax.eval_shape, nothing
+    allocated) counts whole, as one process's."""
+    written = whole = 0
+    for leaf in jax.tree_util.tree_leaves(state):
+        size = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        whole += size
+        if isinstance(leaf, jax.Array):
+            written += sum(s.data.nbytes for s in leaf.addressable_shards if s.replica_id == 0)
+        else:
+            written += size
+    return written, whole
+
+
+def first_save_seconds(state) -> float:
+    """The seconds a save of `state` is expected to take before one is timed: the rule above."""
+    written, whole = save_bytes(state)
+    return max(FIRST_SAVE_FLOOR_SECONDS,
+               written / SAVE_WRITE_BYTES_PER_SECOND + whole / CHECKSUM_READ_BYTES_PER_SECOND)
+
 
 class CommitTimes:
     """The last RECENT_COMMITS saves' seconds to commit. `seconds()` is the slowest of them
-    (one slow write, a loaded disk, is the one a deadline must allow for), or
-    COMMIT_GUESS_SECONDS before any is measured."""
+    (one slow write, a loaded disk, is the one a deadline must allow for), or `guess` (the
+    state's `first_save_seconds`) before any is measured."""
 
-    def __init__(self):
+    def __init__(self, guess: float = FIRST_SAVE_FLOOR_SECONDS):
+        self.guess = guess
         self.recent = collections.deque(maxlen=RECENT_COMMITS)
 
     def add(self, seconds: float) -> None:
         self.recent.append(seconds)
 
     def seconds(self) -> float:
-        return max(self.recent) if self.recent else COMMIT_GUESS_SECONDS
+        return max(self.recent) if self.recent else self.guess
 
 
 def _stderr(msg: str) -> None:
@@ -244,6 +278,11 @@ class RunCheckpointer:
         self._pending = (meta, {k: k not in bad for k in CHECKED_FINITE})
         if block:
             self.wait()
+
+    def expect(self, state) -> None:
+        """Saves will be of `state` (at a start, after a growth): until one of it is timed, the
+        deadline margin reserves its `first_save_seconds`; times of another state's saves go."""
+        self.commits = CommitTimes(first_save_seconds(state))
 
     def save_seconds(self) -> float:
         """A blocking save's expected seconds from now: the slowest of the last commit times,

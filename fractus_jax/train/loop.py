@@ -149,6 +149,7 @@ class _Trainer:
         else:
             rd.start_metrics(None)
             self.state = self._fresh_state(shardings)
+        self.ckpt.expect(self.state)   # the deadline margin's save, until one is timed
         self.plan = plan
         self.passes = [dict(p) for p in plan.passes]   # the last: the pass the lanes are in
         self.meter = progress_lib.StepMeter(cfg.batch_size * cfg.seq_len * cfg.accum, meta)
@@ -251,6 +252,7 @@ class _Trainer:
             self.save(final=True)
         self.state, self.cfg, record = growth_lib.grow_in_place(self.state, self.cfg, self.mesh, self.step,
                                                                 self.last_hits)
+        self.ckpt.expect(self.state)   # the grown state's saves take longer
         self.growth.append(record)
         self.step_fn, self.prober, self.held_out = self._build(self.cfg)
         self.meter.compiles()

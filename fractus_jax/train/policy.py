@@ -31,6 +31,7 @@ from fractus_jax.train.errors import TrainError
 clock: Callable[[], float] = time.time
 
 DEADLINE_SLACK_SECONDS = 1.0   # reserved before a deadline beyond two steps and a save
+SAVE_FACTOR = 1.5              # the save reserved: this many times the expected one
 WINDOW = 1000   # decision keys are grouped by WINDOW steps; a window 2 behind is deleted
 WAIT_MS = 600_000   # one wait for process 0's decision; waits again (a compilation, a slow save)
 
@@ -168,6 +169,14 @@ def exchange_for_run():
     return KeyValueExchange(client, jax.process_index(), jax.process_count())
 
 
+def deadline_margin(step_seconds: Optional[float], save_seconds: float) -> float:
+    """The seconds a run stops short of its deadline: two steps (the one in flight and the
+    next), SAVE_FACTOR times the save's expected seconds (the slowest of the last ones timed;
+    before any, the state's bytes over a slow disk's rate: checkpoint.first_save_seconds),
+    and DEADLINE_SLACK_SECONDS."""
+    return 2 * (step_seconds or 0) + SAVE_FACTOR * save_seconds + DEADLINE_SLACK_SECONDS
+
+
 class StopSavePolicy:
     """Per step: whether to save by time, whether to stop, whether to finish the save in
     flight. `at_step` is called by every process at every step, in the same order."""
@@ -193,8 +202,7 @@ class StopSavePolicy:
         if self.exchange.lead:
             timed = self.save_every_minutes > 0 and clock() - self.last_save >= 60 * self.save_every_minutes
             near = self.deadline is not None and (
-                clock() + 2 * (step_seconds or 0) + 1.5 * ckpt.save_seconds() + DEADLINE_SLACK_SECONDS
-                >= self.deadline)
+                clock() + deadline_margin(step_seconds, ckpt.save_seconds()) >= self.deadline)
             vote = Vote(signal=signal, timed_save=timed, deadline=near, committed=committed)
         decision = self.exchange.agree(step, vote)
         if decision.finish_save:
