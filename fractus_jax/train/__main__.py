@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     lead = jax.process_index() == 0
     try:
         cfg = config.apply_overrides(config.load_config(args.config), args.overrides)
-        plan = plan_lib.prepare(cfg, args.workdir, progress=not args.no_progress)
+        plan = plan_lib.prepare(cfg, args.workdir, progress=not args.no_progress,
+                                explicit=config.override_fields(args.overrides))
         # The run is about to train: the allocator's note now (not on a refused run).
         note = hostmem.cpu_training_note(jax.default_backend())
         if note and lead:

@@ -293,6 +293,12 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
     return cfg
 
 
+def override_fields(overrides: list[str]) -> frozenset:
+    """The dotted field paths that `key=value` overrides set (ALIASES resolved)."""
+    keys = (item.split("=", 1)[0].strip() for item in overrides if "=" in item)
+    return frozenset(ALIASES.get(k, k) for k in keys)
+
+
 def resolve_for_mesh(cfg: TrainConfig) -> TrainConfig:
     """The execution choices that follow from the mesh: dropless MoE dispatch runs one
     slice of rows per device (model.moe_shards), so no token's dispatch crosses devices.

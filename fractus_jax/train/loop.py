@@ -139,6 +139,8 @@ class _Trainer:
         rd.checkpointer = self.ckpt
         self.growth = list((plan.manifest or {}).get("growth") or [])
         meta = None
+        for line in plan.notes:
+            log(line)
         if plan.resume_step is not None:
             plan, self.state, meta = restore(plan, self.ckpt, rd, ckpt_lib.abstract_with_shardings(abstract, shardings), log)
             self.growth = list(meta.get("growth") or self.growth)
@@ -290,6 +292,8 @@ class _Trainer:
                 self.last_hits = np.asarray(m["expert_hits"])
             if after.eval:
                 m.update(self.held_out.run(self.state["params"]))
+                if self.lead:
+                    (self.bar.write if self.bar is not None else self.log)(progress_lib.held_out_line(m))
             if after.write(m["step"], cfg.log_every):
                 self.rd.write_metrics(m)
             if after.save:

@@ -156,6 +156,7 @@ class Plan:
     train: Optional[TrainPart] = None    # what the lanes read (the whole corpus without val_fraction)
     val: Optional[CorpusPart] = None     # the held-out part (val_fraction's tail or val_corpus)
     passes: list = dataclasses.field(default_factory=list)   # the manifest's `passes`, to the current one
+    notes: list = dataclasses.field(default_factory=list)    # said when the run starts
 
     def __post_init__(self):
         if self.train is None:
@@ -183,8 +184,9 @@ def open_training_corpus(cfg: TrainConfig, progress: bool = True):
     return corpus
 
 
-def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
-    """Every check a user can fail, before anything is written to workdir."""
+def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset()) -> Plan:
+    """Every check a user can fail, before anything is written to workdir. `explicit`: the
+    fields the user set on the command line (the others are the config file's)."""
     workdir = Path(workdir)
     n = cfg.mesh.data * cfg.mesh.fsdp
     if n > jax.device_count():
@@ -217,8 +219,11 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
     if workdir.exists() and not workdir.is_dir():
         raise TrainError(f"workdir {workdir} exists and is not a directory")
     manifest, rejected, note = resume_point(workdir)
+    notes = []
     if manifest is not None:
         cfg = growth_lib.grown_model_for(cfg, manifest) or cfg
+        cfg, split_note = keep_no_split(cfg, workdir, manifest, explicit)
+        notes += [split_note] if split_note else []
         check_resume(cfg, workdir, manifest)
     corpus = open_training_corpus(cfg, progress)
     if manifest is None:
@@ -239,7 +244,23 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True) -> Plan:
         return Plan(cfg, workdir, corpus, None, cfg.start_token or 0, None, train=train, val=val)
     pos = cfg.start_token if cfg.start_token is not None else int(manifest["start_token_next"])
     return Plan(cfg, workdir, corpus, int(manifest["step"]), pos, manifest, rejected, note, train=train, val=val,
-                passes=recorded_passes(manifest, train, cfg))
+                passes=recorded_passes(manifest, train, cfg), notes=notes)
+
+
+def keep_no_split(cfg: TrainConfig, workdir: Path, manifest: dict, explicit=frozenset()):
+    """(cfg, note): a run that held out nothing (val_fraction 0, or a run from before held-out
+    splits) resumed with a config FILE that holds out a part (atom_1b's, since it does)
+    keeps its lanes over the whole corpus: val_fraction 0, and no held-out score unless a
+    val_corpus is set. A val_fraction set on the command line is the user's: check_resume
+    refuses it, as any change of the lanes."""
+    old = manifest.get("config") or {}
+    if float(old.get("val_fraction", 0.0)) or not cfg.val_fraction or "val_fraction" in explicit:
+        return cfg, None
+    kept = dataclasses.replace(cfg, val_fraction=0.0, eval_every=cfg.eval_every if cfg.val_corpus else 0)
+    scored = ("" if cfg.val_corpus or not cfg.eval_every else
+              "; it scores nothing held out (val_corpus=FILE scores a file of its own)")
+    return kept, (f"note: {workdir} began without a held-out part: it keeps its lanes over the whole corpus, "
+                  f"the config's val_fraction={cfg.val_fraction:g} is not applied{scored}")
 
 
 def check_corpus(workdir: Path, manifest: dict, corpus) -> None:

@@ -78,3 +78,14 @@ def show(bar, m: dict, compiled_now: bool, capacity_factor, lead: bool, log) -> 
         keep = "" if capacity_factor is None else f" keep {m['keep_rate']:.2f}"
         bar.set_postfix_str(f"ce {m['ce_tf']:.3f} ema {m['ema_tf']:.3f}{keep} {m['ids_per_s_tf']:.0f} ids/s",
                             refresh=False)
+
+
+def held_out_line(m: dict) -> str:
+    """A step's held-out figures, as the progress shows them: bits per byte where the
+    vocabulary has bytes, else CE per id; the carry as trained, streamed, and fresh."""
+    unit = "bpb" if m.get("val_bpb") is not None else "ce"
+    fig = lambda suffix: m.get(f"val_{unit}{suffix}")   # noqa: E731
+    line = f"step {m['step']}: held-out val_{unit} {fig(''):.4f} (the carry as trained)"
+    extra = [f"{name} {fig(suffix):.4f}" for name, suffix in (("warm", "_warm"), ("fresh", "_no_carry"))
+             if fig(suffix) is not None]
+    return line + (", " + ", ".join(extra) if extra else "")
