@@ -306,7 +306,7 @@ def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, mm_
         new_S, new_z = S_l.mean(0), z_l.mean(0)
     a = a.transpose(0, 2, 1, 3).reshape(B, C, H * dH)
     out = jnp.einsum("bcd,de->bce", a.astype(mm_dtype), p["w_out"].astype(mm_dtype)).astype(acc)
-    return out + p["b_out"], jax.lax.stop_gradient(new_S), jax.lax.stop_gradient(new_z)
+    return out + p["b_out"], new_S, new_z
 
 
 @jax.named_scope("kuramoto")
@@ -362,8 +362,7 @@ def block_forward(p, h_BxCxD, carry, reset_BxC, cfg: EngineConfig, mm_dtype):
     h = h_BxCxD + a
     theta = _phases(p["kuramoto"], layer_norm(h, p["norm_kur"], cfg.ln_eps, ln_cpu), cfg)
     m, stats = _moe(p["moe"], layer_norm(h, p["norm_moe"], cfg.ln_eps, ln_cpu), theta, cfg, mm_dtype)
-    phase = jax.lax.stop_gradient(theta[:, -1])
-    return h + m, (S, z, phase), stats
+    return h + m, (S, z, theta[:, -1]), stats
 
 
 @jax.named_scope("embed")
@@ -400,7 +399,7 @@ def _stream_forward(params: Params, state: State, ids_BxC, cfg: EngineConfig, fe
         layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
     carry_in = (state["S"].astype(acc), state["z"].astype(acc), state["phase"].astype(acc))
     h, (S, z, phase, stats) = jax.lax.scan(layer, h, (params["blocks"], *carry_in), unroll=cfg.scan_unroll)
-    return h, {"thought": jax.lax.stop_gradient(h[:, -1]), "S": S, "z": z, "phase": phase}, stats
+    return h, {"thought": h[:, -1], "S": S, "z": z, "phase": phase}, stats
 
 
 _STATE_ROW_AXIS = {"thought": 0, "S": 1, "z": 1, "phase": 1}
@@ -412,10 +411,13 @@ def as_arrays(tree):
     return jax.tree.map(jnp.asarray, tree)
 
 
-def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
+def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None,
+                   carry_grad: bool = False):
     """The chunk forward up to the last hidden state: (h (B, C, D), Aux, new_state).
 
-    Takes host arrays as well as device arrays, with or without jit.
+    The new state is detached (no gradient flows through it into the next chunk, as the
+    PyTorch engine's `.detach()`) unless carry_grad: the trainer's bptt_chunks
+    differentiates through it. Takes host arrays as well as device arrays, with or without jit.
     With cfg.row_streams = n the rows run as n independent slices (their own embedding,
     layers and state), joined only by the load balance, whose P_e is the mean of the
     streams' (equal row counts: the mean over every token)."""
@@ -441,6 +443,8 @@ def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, fea
         hits = sum(o[2][1] for o in outs)
         gate_mean = sum(o[2][2] for o in outs) / n
         idx = jnp.concatenate([o[2][3] for o in outs], 1)
+    if not carry_grad:
+        new_state = jax.lax.stop_gradient(new_state)
     lb = moe_k.load_balance_of_means(gate_mean)                    # (layers,)
     aux = Aux(lb=lb.sum(), lb_per_layer=lb, keep_rate=keep, expert_hits=hits, gate_mean=gate_mean,
               expert_idx=idx)

@@ -59,6 +59,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip_norm: float = 1.0
     accum: int = 1                    # consecutive chunks per update, the carry flowing through
+    bptt_chunks: int = 1              # the gradient flows through the carry across this many of them (1: detached)
     carry_reset_every: int = 0        # every row's carry reset to the initial one on multiples of this step (0: never)
     carry_reset_prob: float = 0.0     # ... and each row's with this probability at a step's start (from seed, step)
     ce_chunk: int = 1024              # positions per cross-entropy block
@@ -115,6 +116,8 @@ class TrainConfig:
             (non_negative(self.weight_decay), f"weight_decay must be >= 0 and finite, got {self.weight_decay}"),
             (positive(self.clip_norm), f"clip_norm must be > 0 and finite, got {self.clip_norm}"),
             (self.accum >= 1, f"accum must be >= 1, got {self.accum}"),
+            (self.bptt_chunks >= 1, f"bptt_chunks must be >= 1 (1: the carry enters each chunk detached), "
+                                    f"got {self.bptt_chunks}"),
             (self.carry_reset_every >= 0, f"carry_reset_every must be >= 0 (0: never), got {self.carry_reset_every}"),
             (0.0 <= self.carry_reset_prob <= 1.0,
              f"carry_reset_prob must be in [0, 1], got {self.carry_reset_prob}"),
@@ -156,6 +159,10 @@ class TrainConfig:
         if self.val_fraction and self.val_corpus:
             out.append(f"set one of val_fraction ({self.val_fraction:g}) and val_corpus ({self.val_corpus!r}), "
                        "not both")
+        if self.accum % self.bptt_chunks:
+            out.append(f"bptt_chunks={self.bptt_chunks} needs accum to be a multiple of it (the step's accum={self.accum} "
+                       f"chunks are cut into groups of bptt_chunks, the gradient flowing through the carry inside "
+                       f"each): set accum={self.bptt_chunks * max(1, self.accum // self.bptt_chunks)}")
         if self.eval_every and not (self.val_fraction or self.val_corpus):
             out.append(f"eval_every={self.eval_every} scores a held-out part: set val_fraction (held out from "
                        "the end of the corpus) or val_corpus=FILE, or eval_every=0")

@@ -29,8 +29,9 @@ METRIC_NAMES = ("ce_tf", "lb", "grad_norm", "lr", "skipped", "keep_rate", "repea
                 "ce_ss", "ss_ran")
 
 
-def _loss(params, carry, inputs_BxC, targets_BxC, feats, cfg: TrainConfig, ce_weight: float):
-    h, aux, new_carry = model.forward_hidden(params, carry, inputs_BxC, cfg.model, feats)
+def _loss(params, carry, inputs_BxC, targets_BxC, feats, cfg: TrainConfig, ce_weight: float,
+          carry_grad: bool = False):
+    h, aux, new_carry = model.forward_hidden(params, carry, inputs_BxC, cfg.model, feats, carry_grad=carry_grad)
     with jax.named_scope("loss"):
         ce, repeat = cross_entropy_terms(h, params["observe"], targets_BxC, cfg.ce_chunk,
                                          repeat_ids_BxC=inputs_BxC)
@@ -44,8 +45,12 @@ def accumulate(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg: TrainCo
     """Gradients averaged over consecutive chunks, the carry flowing through them.
 
     One chunk (accum = 1) runs without a loop; several run as one scan from a zero gradient
-    sum (0 + g is exact, so the sum is the same as seeding it with the first chunk's).
+    sum (0 + g is exact, so the sum is the same as seeding it with the first chunk's). The
+    carry enters each chunk detached, as in the PyTorch trainers; with bptt_chunks = K > 1
+    it is differentiated across each group of K chunks (`accumulate_bptt`).
     """
+    if cfg.bptt_chunks > 1:
+        return accumulate_bptt(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg, ce_weight)
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
     n = inputs_AxBxC.shape[0]
 
@@ -67,6 +72,42 @@ def accumulate(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg: TrainCo
         (carry, gsum), (ce, lb, keep, rep, h) = jax.lax.scan(
             micro, (carry, zeros), (inputs_AxBxC, targets_AxBxC, feats_A))
         grads = jax.tree.map(lambda g: g / n, gsum)
+    return carry, grads, {"ce": ce.mean(), "lb": lb.mean(), "keep_rate": keep.mean(),
+                          "repeat_prob": rep.mean()}, h
+
+
+def accumulate_bptt(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg: TrainConfig, ce_weight=1.0):
+    """`accumulate` with the gradient through the carry: the A chunks are cut into A/K groups
+    of K = bptt_chunks; each group's loss is the sum of its chunks' losses with the carry
+    flowing, differentiated, from chunk to chunk (backpropagation through time over K·C ids);
+    the carry entering a group is detached. The gradient is the sum over groups divided by A,
+    so it is the mean of the chunks' gradients when nothing flows through the carry. Each
+    chunk is rematerialised (jax.checkpoint): a group's backward pass keeps K carries and
+    recomputes one chunk's activations at a time."""
+    A, K = inputs_AxBxC.shape[0], cfg.bptt_chunks
+    chunk_loss = jax.checkpoint(functools.partial(_loss, cfg=cfg, ce_weight=ce_weight, carry_grad=True))
+
+    def group_loss(p, carry, inputs_KxBxC, targets_KxBxC, feats_K):
+        def body(carry, xs):
+            loss, (ce, lb, keep, rep, carry, h) = chunk_loss(p, carry, *xs)
+            return carry, (loss, ce, lb, keep, rep, h)
+
+        carry, (loss, *out) = jax.lax.scan(body, carry, (inputs_KxBxC, targets_KxBxC, feats_K))
+        return loss.sum(), (carry, out)
+
+    grad_fn = jax.value_and_grad(group_loss, has_aux=True)
+    groups = lambda x: None if x is None else x.reshape((A // K, K) + x.shape[1:])  # noqa: E731
+
+    def group(acc, xs):
+        carry, gsum = acc
+        (_, (carry, out)), g = grad_fn(params, jax.lax.stop_gradient(carry), *xs)
+        return (carry, jax.tree.map(jnp.add, gsum, g)), out
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    xs = (groups(inputs_AxBxC), groups(targets_AxBxC), jax.tree.map(groups, feats_A))
+    (carry, gsum), (ce, lb, keep, rep, h) = jax.lax.scan(group, (carry, zeros), xs)
+    grads = jax.tree.map(lambda g: g / A, gsum)
+    h = h.reshape((A,) + h.shape[2:])
     return carry, grads, {"ce": ce.mean(), "lb": lb.mean(), "keep_rate": keep.mean(),
                           "repeat_prob": rep.mean()}, h
 
