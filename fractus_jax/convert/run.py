@@ -111,24 +111,25 @@ def _check_tensors(ck: files.TorchCheckpoint, sd: dict, cfg: TrainConfig, log: L
                 and ck.config[k] != getattr(model, k)]
         for k in soft:
             log(f"{ck.path}: the file's {k} is {ck.config[k]!r}, the config's {getattr(model, k)!r} applies")
-    _check_gate_temperature(ck, model.gate_temperature, log)
+    _check_gate_temperature(ck, model.gate_temperature)
     dtypes = sorted({str(v.dtype).replace("torch.", "") for v in sd.values()} - {"float32"})
     if dtypes:
         log(f"{ck.path}: tensors stored as {', '.join(dtypes)} become float32 in the run")
 
 
-def _check_gate_temperature(ck: files.TorchCheckpoint, temperature: float, log: Log) -> None:
+def _gate_temperature_key(ck: files.TorchCheckpoint) -> Optional[str]:
+    """The file's config key that holds the gate temperature the weights were trained at: the PyTorch
+    trainers' gate_temp (what they set on the built module) before the constructor's gate_temperature."""
+    return next((k for k in (names.GATE_TEMP, names.GATE_TEMPERATURE) if k in (ck.config or {})), None)
+
+
+def _check_gate_temperature(ck: files.TorchCheckpoint, temperature: float) -> None:
     """Refuse a file whose gate temperature is not the config's: it is part of the function the weights
-    were trained in. The PyTorch trainers' gate_temp (what they set on the built module) wins over the
-    constructor's gate_temperature."""
-    config = ck.config or {}
-    key = next((k for k in (names.GATE_TEMP, names.GATE_TEMPERATURE) if k in config), None)
+    were trained in."""
+    key = _gate_temperature_key(ck)
     if key is None:
-        log(f"{ck.path} records no gate temperature ({names.GATE_TEMP}): the config's gate_temperature "
-            f"{temperature!r} applies; if the PyTorch run set another, import and train with "
-            "--set model.gate_temperature=T")
         return
-    value = config[key]
+    value = ck.config[key]
     try:
         file_temperature = float(value)
     except (TypeError, ValueError):
@@ -279,6 +280,10 @@ def import_checkpoint(pt, out, config: str, overrides: Sequence[str] = (), opt_f
     carry, last_lb, kept, carry_batch = _carry(ck, sd, cfg, abstract["carry"], fresh_carry, log)
     opt_state = _moments(ck, cfg, params, opt_file, no_opt, trust_pickle, log)
     meta = _meta(ck, cfg, kept, carry_batch, last_lb, log)
+    if _gate_temperature_key(ck) is None:
+        log(f"{ck.path} records no gate temperature ({names.GATE_TEMP}): the config's gate_temperature "
+            f"{cfg.model.gate_temperature!r} applies; if the PyTorch run set another, import and train with "
+            "--set model.gate_temperature=T")
     state = {"params": params, "opt_state": opt_state, "carry": carry,
              "step": np.asarray(meta["step"], np.int32),
              "skipped": np.asarray(_as_int(ck, "skipped", ck.extras.get("skipped", 0)), np.int32)}
