@@ -215,11 +215,10 @@ def _as_int(ck: files.TorchCheckpoint, key: str, value) -> int:
     return out
 
 
-def _tokens_processed(ck: files.TorchCheckpoint) -> Optional[int]:
-    """The PyTorch trainers' count of ids trained on, where the file has a readable one."""
-    value = (ck.config or {}).get(names.TOKENS_PROCESSED)
+def _count(ck: files.TorchCheckpoint, key: str, value) -> Optional[int]:
+    """An informational count of the file (a batch, tokens_processed), or None where absent or unreadable."""
     try:
-        return None if value is None else _as_int(ck, names.TOKENS_PROCESSED, value)
+        return None if value is None else _as_int(ck, key, value)
     except ConversionError:
         return None
 
@@ -241,9 +240,11 @@ def _meta(ck: files.TorchCheckpoint, cfg: TrainConfig, carry_kept: bool, carry_b
     start = None if start is None else _as_int(ck, "start_token_next", start)
     config = ck.config or {}
     # The lanes the offset was counted in.
-    batch = ex.get("batch_size", config.get("batch", config.get("B", carry_batch)))
-    tokens = _tokens_processed(ck)
-    if start is not None and batch is not None and int(batch) != cfg.batch_size:
+    batches = [_count(ck, k, v) for k, v in (("batch_size", ex.get("batch_size")), ("batch", config.get("batch")),
+                                             ("B", config.get("B")))]
+    batch = next((b for b in batches if b is not None), carry_batch)
+    tokens = _count(ck, names.TOKENS_PROCESSED, config.get(names.TOKENS_PROCESSED))
+    if start is not None and batch is not None and batch != cfg.batch_size:
         log(f"{ck.path}: lane offset {start} was for batch {batch}; with batch_size {cfg.batch_size} the lanes "
             "differ, the offset is set to 0 (choose one with --set start_token=N when training)")
         start = None
@@ -254,7 +255,7 @@ def _meta(ck: files.TorchCheckpoint, cfg: TrainConfig, carry_kept: bool, carry_b
                      "inside a lane")
             if batch:
                 lanes += (f": if the PyTorch run read its {batch} rows as lanes from their starts, as this trainer "
-                          f"does, N = {tokens} / {batch} = {tokens // int(batch)}")
+                          f"does, N = {tokens} / {batch} = {tokens // batch}")
         log(f"{ck.path} records no start_token_next: the run resumes at lane offset 0 unless the trainer "
             f"is given --set start_token=N{lanes}")
     _trained_with(ck, cfg, log)
