@@ -5,6 +5,7 @@ from it or from the PyTorch reference engine.
 """
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fractus_jax import convert, model  # noqa: E402
+from fractus_jax.config import WEIGHT_FIELDS  # noqa: E402
 from fractus_jax.convert import files, names, optim, run  # noqa: E402
 from fractus_jax.convert.__main__ import main as cli  # noqa: E402
 from fractus_jax.reference import FractusEngine  # noqa: E402
@@ -126,7 +128,8 @@ def test_safetensors_round_trip_is_bit_exact(trained, corpus_file, tmp_path):
 def test_export_loads_strictly_and_gives_the_jax_logits_on_the_next_chunk(trained, corpus_file):
     cfg, run_dir, a_pt = trained
     blob = torch.load(a_pt, weights_only=True)
-    assert blob["config"] == {**cfg.model.torch_kwargs(), "capacity_factor": cfg.model.capacity_factor}
+    assert blob["config"] == {**cfg.model.torch_kwargs(), "capacity_factor": cfg.model.capacity_factor,
+                              "gate_temp": cfg.model.gate_temperature}   # the PyTorch trainers' key too
     assert (blob["step"], blob["start_token_next"], blob["batch_size"], blob["seq_len"]) == (3, 48, 4, 16)
     sd = blob["model_state"]
     assert sd[names.TIED_HEAD] is sd["observe.weight"]
@@ -309,6 +312,105 @@ def test_a_fresh_pytorch_model_imports_at_step_0_and_trains(corpus_file, tmp_pat
     assert ckpt_lib.read_manifest(tmp_path / "run")["step"] == 3
     trained_params = run.load_run(tmp_path / "run", with_opt=False).params
     assert np.abs(trained_params["observe"] - engine.observe.weight.detach().numpy()).max() > 0
+
+
+PARENT = ("model.variant=parent", "model.bos_id=none")
+_forward_chunk = jax.jit(model.forward_chunk, static_argnums=3)   # one program for the tests below
+
+
+def _off_by(got, want) -> float:
+    """The largest difference relative to want's scale (the parent's logits reach tens)."""
+    want = np.asarray(want)
+    return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
+def _trainer_config(cfg, trainer, batch, chunk):
+    """A PyTorch trainer's checkpoint (config dict, other top-level keys), as each one saves it."""
+    sizes = {k: v for k, v in cfg.model.torch_kwargs().items() if k in WEIGHT_FIELDS and k not in ("variant", "atom_feat_dim")}
+    return {
+        "boost": ({**sizes, "gpu": "H100", "boost": True, "batch": batch, "lr": 1e-3, "ss_rate": 0.25,
+                   "tokens_processed": 6 * batch * chunk}, {}),
+        "surgery": ({**sizes, "gpu": "H100", "surgery": True, "gate_temp": cfg.model.gate_temperature,
+                     "lb_coef": 0.01}, {}),
+        "plain": ({**sizes, "gpu": "H100", "B": batch, "seq": 8}, {}),
+        "growth": ({**sizes, "method": "gpu_progressive_growth"}, {"params": 123456, "ppl": 321.5}),
+    }[trainer]
+
+
+def _trainer_checkpoint(cfg, path, config, top=(), chunk=5, seed=0):
+    """A PyTorch trainer's file after one chunk at the config's batch: the reference engine built at
+    the config's gate temperature (the trainers set it on the built module), `config` as its config
+    dict, phases (B, C, N). Returns the engine, carrying on where the file stops."""
+    torch.manual_seed(seed)
+    engine = FractusEngine(**cfg.model.torch_kwargs())
+    with torch.no_grad():
+        engine(torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, chunk)))
+    torch.save({"model_state": _chunk_phases(engine.state_dict(), cfg, chunk), "config": config, **dict(top)}, path)
+    return engine
+
+
+@pytest.mark.parametrize("trainer", ["boost", "surgery", "plain", "growth"])
+def test_each_pytorch_trainer_dict_imports_and_continues_the_reference(corpus_file, tmp_path, trainer):
+    cfg = tiny(corpus_file, *PARENT)
+    config, top = _trainer_config(cfg, trainer, cfg.batch_size, 5)
+    engine = _trainer_checkpoint(cfg, tmp_path / "t.pt", config, top)
+    warnings = []
+    meta = run.import_checkpoint(tmp_path / "t.pt", tmp_path / "run", "tiny", [f"corpus={corpus_file}", *PARENT],
+                                 log=warnings.append)
+    assert meta["step"] == 0 and meta["carry"] == "imported"
+    said = " | ".join(w.replace(str(tmp_path / "t.pt"), "FILE") for w in warnings)
+    # Each named difference is a line; so are the missing optimizer file and, but for gate_temp, the
+    # missing gate temperature. Unknown keys are ignored quietly.
+    named = {"boost": ["trained with lr 0.001, the config's lr 0.003", "trained with ss_rate 0.25, the config's ss_rate 0.0",
+                       "records no start_token_next", "tokens_processed 120 counts the ids of all lanes together",
+                       "N = 120 / 4 = 30"],
+             "surgery": ["trained with lb_coef 0.01, the config's lb_coef 0.02"],
+             "plain": ["trained with seq 8, the config's seq_len 16"], "growth": []}[trainer]
+    for needle in [*named, "no optimizer file"]:
+        assert needle in said, (needle, said)
+    assert ("records no gate temperature" in said) == (trainer != "surgery"), said
+    for unknown in ("gpu", "boost", "surgery", "method", "params", "ppl", "H100", "123456"):
+        assert not re.search(rf"\b{unknown}\b", said), (unknown, said)
+    assert len(warnings) == {"boost": 5, "surgery": 2, "plain": 3, "growth": 2}[trainer], said
+
+    ids = np.random.default_rng(3).integers(0, cfg.model.vocab_size, (cfg.batch_size, 7))
+    with torch.no_grad():
+        logits_t, _ = engine(torch.from_numpy(ids))
+    snap = run.load_run(tmp_path / "run", with_opt=False)
+    logits_j, _, new_state = _forward_chunk(snap.params, snap.carry, ids, cfg.model.replace(capacity_factor=None))
+    # float32 on both sides (measured: 5e-5 of the scale for the logits, 8e-5 for the thought); from a
+    # zero carry the logits are off by most of their scale.
+    assert _off_by(logits_j, logits_t) < 2e-4 and _off_by(new_state["thought"], engine.thought_state[:, 0]) < 2e-4
+    logits_0, _, _ = _forward_chunk(snap.params, model.init_state(cfg.model, cfg.batch_size), ids,
+                                    cfg.model.replace(capacity_factor=None))
+    assert _off_by(logits_0, logits_t) > 0.1
+
+
+def test_a_gate_temperature_unlike_the_configs_is_refused(corpus_file, tmp_path, capsys):
+    cfg = tiny(corpus_file, *PARENT)
+    config, _ = _trainer_config(cfg, "surgery", cfg.batch_size, 5)
+    _trainer_checkpoint(tiny(corpus_file, *PARENT, "model.gate_temperature=3.0"), tmp_path / "hot.pt",
+                        {**config, "gate_temp": 3.0})
+
+    def argv(pt, out, *sets):
+        return ["import", "--pt", str(tmp_path / pt), "--out", str(tmp_path / out), "--config", "tiny",
+                *(a for s in (f"corpus={corpus_file}", *sets) for a in ("--set", s))]
+
+    _refused(capsys, argv("hot.pt", "run", *PARENT), tmp_path / "run", str(tmp_path / "hot.pt"), "gate_temp is 3.0",
+             "gate_temperature is 2.5", "--set model.gate_temperature=3.0")
+    code, err = cli(argv("hot.pt", "run", *PARENT, "model.gate_temperature=3.0")), capsys.readouterr().err
+    assert code == 0 and "gate_temp" not in err.replace(str(tmp_path), ""), err
+    assert ckpt_lib.read_manifest(tmp_path / "run")["config"]["model"]["gate_temperature"] == 3.0
+    # The trainers' gate_temp is what their module ran at: it wins over the constructor's key.
+    torch.save({**torch.load(tmp_path / "hot.pt", weights_only=True),
+                "config": {**config, "gate_temperature": 2.5, "gate_temp": 3.0}}, tmp_path / "both.pt")
+    _refused(capsys, argv("both.pt", "other", *PARENT), tmp_path / "other", "gate_temp is 3.0")
+    # The constructor's key alone (an export's, or the reference engine's) is held to the same.
+    sizes = {k: v for k, v in config.items() if k not in ("gate_temp", "lb_coef")}
+    torch.save({**torch.load(tmp_path / "hot.pt", weights_only=True), "config": {**sizes, "gate_temperature": 1.0}},
+               tmp_path / "cold.pt")
+    _refused(capsys, argv("cold.pt", "cold", *PARENT), tmp_path / "cold", "gate_temperature is 1.0, the config's",
+             "--set model.gate_temperature=1.0")
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -58,6 +58,15 @@ THOUGHT = "thought_state"
 LAST_LB = "last_lb_loss"
 BLOCK_S, BLOCK_Z, BLOCK_PHASE = "attn_S", "attn_z", "kuramoto_phases"
 
+# Keys of the PyTorch trainers' checkpoint "config" dicts besides the constructor's arguments.
+# The trainers build the module, then set every block's `moe.temperature` to GATE_TEMP and
+# save that value under GATE_TEMP; the constructor's own key is GATE_TEMPERATURE.
+GATE_TEMP, GATE_TEMPERATURE = "gate_temp", "gate_temperature"
+TOKENS_PROCESSED = "tokens_processed"   # ids trained on, all lanes together
+# Trainer settings saved in the config dict → the TrainConfig field each one is.
+TRAINER_KEYS = {"batch": "batch_size", "B": "batch_size", "seq": "seq_len", "lr": "lr", "lb_coef": "lb_coef",
+                "ss_rate": "ss_rate"}
+
 
 def top_level(cfg: EngineConfig):
     return TOP_LEVEL + (ATOM_TOP_LEVEL if cfg.is_atom else ())

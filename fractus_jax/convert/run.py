@@ -8,6 +8,7 @@ that `python -m fractus_jax.train --config NAME --workdir DIR` resumes from.
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -59,7 +60,9 @@ def torch_checkpoint(snap: Snapshot) -> tuple[dict, dict, dict]:
     if set(order) != set(sd):
         raise ConversionError(f"internal: the export's keys differ from the reference module's "
                               f"({sorted(set(order) ^ set(sd))})")
-    config = {**model.torch_kwargs(), "capacity_factor": model.capacity_factor}
+    # gate_temp: the key the PyTorch trainers' scripts read the gate temperature from.
+    config = {**model.torch_kwargs(), "capacity_factor": model.capacity_factor,
+              names.GATE_TEMP: model.gate_temperature}
     meta = snap.meta
     extras = {"step": snap.step, "start_token_next": int(meta.get("start_token_next", 0)),
               "batch_size": int(meta.get("batch_size", snap.cfg.batch_size)),
@@ -104,12 +107,40 @@ def _check_tensors(ck: files.TorchCheckpoint, sd: dict, cfg: TrainConfig, log: L
             raise ConversionError(f"{ck.path}: the file's config differs in what decides the weights "
                                   f"({'; '.join(wrong)}); choose a matching --config or --set model.FIELD=VALUE")
         soft = [k for k in (*model.torch_kwargs(), "capacity_factor")
-                if k not in WEIGHT_FIELDS and k in ck.config and ck.config[k] != getattr(model, k)]
+                if k not in (*WEIGHT_FIELDS, names.GATE_TEMPERATURE) and k in ck.config
+                and ck.config[k] != getattr(model, k)]
         for k in soft:
             log(f"{ck.path}: the file's {k} is {ck.config[k]!r}, the config's {getattr(model, k)!r} applies")
+    _check_gate_temperature(ck, model.gate_temperature)
     dtypes = sorted({str(v.dtype).replace("torch.", "") for v in sd.values()} - {"float32"})
     if dtypes:
         log(f"{ck.path}: tensors stored as {', '.join(dtypes)} become float32 in the run")
+
+
+def _gate_temperature_key(ck: files.TorchCheckpoint) -> Optional[str]:
+    """The file's config key that holds the gate temperature the weights were trained at: the PyTorch
+    trainers' gate_temp (what they set on the built module) before the constructor's gate_temperature."""
+    return next((k for k in (names.GATE_TEMP, names.GATE_TEMPERATURE) if k in (ck.config or {})), None)
+
+
+def _check_gate_temperature(ck: files.TorchCheckpoint, temperature: float) -> None:
+    """Refuse a file whose gate temperature is not the config's: it is part of the function the weights
+    were trained in."""
+    key = _gate_temperature_key(ck)
+    if key is None:
+        return
+    value = ck.config[key]
+    try:
+        file_temperature = float(value)
+    except (TypeError, ValueError):
+        file_temperature = math.nan
+    if not 0.0 < file_temperature < math.inf:
+        raise ConversionError(f"{ck.path}: the file's {key} is {value!r}, not a positive number")
+    if not math.isclose(file_temperature, temperature, rel_tol=1e-6):
+        raise ConversionError(
+            f"{ck.path}: the file's {key} is {file_temperature!r}, the config's gate_temperature is {temperature!r}; "
+            f"the weights were trained at the file's: import and train with "
+            f"--set model.gate_temperature={file_temperature!r}")
 
 
 def _carry(ck: files.TorchCheckpoint, sd: dict, cfg: TrainConfig, abstract, fresh: bool, log: Log):
@@ -184,22 +215,50 @@ def _as_int(ck: files.TorchCheckpoint, key: str, value) -> int:
     return out
 
 
+def _count(ck: files.TorchCheckpoint, key: str, value) -> Optional[int]:
+    """An informational count of the file (a batch, tokens_processed), or None where absent or unreadable."""
+    try:
+        return None if value is None else _as_int(ck, key, value)
+    except ConversionError:
+        return None
+
+
+def _trained_with(ck: files.TorchCheckpoint, cfg: TrainConfig, log: Log) -> None:
+    """Name each trainer setting of the file that differs from the config's (the config's applies)."""
+    settings = [("seq_len", ck.extras.get("seq_len"), "seq_len")]
+    settings += [(k, (ck.config or {}).get(k), field) for k, field in names.TRAINER_KEYS.items()]
+    for key, value, field in settings:
+        if value is not None and value != getattr(cfg, field):
+            log(f"{ck.path}: trained with {key} {value!r}, the config's {field} {getattr(cfg, field)!r} applies")
+
+
 def _meta(ck: files.TorchCheckpoint, cfg: TrainConfig, carry_kept: bool, carry_batch: Optional[int],
           last_lb: float, log: Log) -> dict:
     ex = ck.extras
     step = _as_int(ck, "step", ex.get("step", 0))
     start = ex.get("start_token_next", ex.get("start_token"))
     start = None if start is None else _as_int(ck, "start_token_next", start)
-    batch = ex.get("batch_size", carry_batch)   # the lanes the offset was counted in
-    if start is not None and batch is not None and int(batch) != cfg.batch_size:
+    config = ck.config or {}
+    # The lanes the offset was counted in.
+    batches = [_count(ck, k, v) for k, v in (("batch_size", ex.get("batch_size")), ("batch", config.get("batch")),
+                                             ("B", config.get("B")))]
+    batch = next((b for b in batches if b is not None), carry_batch)
+    tokens = _count(ck, names.TOKENS_PROCESSED, config.get(names.TOKENS_PROCESSED))
+    if start is not None and batch is not None and batch != cfg.batch_size:
         log(f"{ck.path}: lane offset {start} was for batch {batch}; with batch_size {cfg.batch_size} the lanes "
             "differ, the offset is set to 0 (choose one with --set start_token=N when training)")
         start = None
-    elif start is None and step > 0:
+    elif start is None and (step > 0 or tokens):
+        lanes = ""
+        if tokens:
+            lanes = (f"; its {names.TOKENS_PROCESSED} {tokens} counts the ids of all lanes together, not an offset "
+                     "inside a lane")
+            if batch:
+                lanes += (f": if the PyTorch run read its {batch} rows as lanes from their starts, as this trainer "
+                          f"does, N = {tokens} / {batch} = {tokens // batch}")
         log(f"{ck.path} records no start_token_next: the run resumes at lane offset 0 unless the trainer "
-            "is given --set start_token=N")
-    if ex.get("seq_len") is not None and int(ex["seq_len"]) != cfg.seq_len:
-        log(f"{ck.path}: trained with seq_len {ex['seq_len']}, the config's seq_len {cfg.seq_len} applies")
+            f"is given --set start_token=N{lanes}")
+    _trained_with(ck, cfg, log)
     corpus = ex.get("corpus") if isinstance(ex.get("corpus"), dict) else {}
     return {"step": step, "start_token_next": start or 0, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
             "accum": cfg.accum, "corpus": corpus, "config": cfg.to_dict(), "ema_tf": None, "ema_ss": None,
@@ -222,6 +281,10 @@ def import_checkpoint(pt, out, config: str, overrides: Sequence[str] = (), opt_f
     carry, last_lb, kept, carry_batch = _carry(ck, sd, cfg, abstract["carry"], fresh_carry, log)
     opt_state = _moments(ck, cfg, params, opt_file, no_opt, trust_pickle, log)
     meta = _meta(ck, cfg, kept, carry_batch, last_lb, log)
+    if _gate_temperature_key(ck) is None:
+        log(f"{ck.path} records no gate temperature ({names.GATE_TEMP}): the config's gate_temperature "
+            f"{cfg.model.gate_temperature!r} applies; if the PyTorch run set another, import and train with "
+            "--set model.gate_temperature=T")
     state = {"params": params, "opt_state": opt_state, "carry": carry,
              "step": np.asarray(meta["step"], np.int32),
              "skipped": np.asarray(_as_int(ck, "skipped", ck.extras.get("skipped", 0)), np.int32)}
