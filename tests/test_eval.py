@@ -21,7 +21,7 @@ from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
 from fractus_jax.train import plan as plan_lib
 
-from engine_testing import assert_curves_are_the_log, read_event_files
+from tensorboard_testing import assert_curves_are_the_log, read_event_files
 
 ROOT = Path(__file__).resolve().parents[1]
 VAL = ["val_fraction=0.1", "eval_every=3", "val_ids=512", "val_lanes=4"]
