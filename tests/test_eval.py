@@ -157,6 +157,7 @@ def test_the_event_files_hold_the_logs_scalars_at_its_steps(run):
         assert steps[tag] == [3, 6], tag
     (name, events), = read_event_files(workdir / "tensorboard")   # one life, one file
     assert name.startswith("events.out.tfevents.") and events[0].file_version == "brain.Event:2"
+    assert events[1].session_log.status == events[1].session_log.START and events[1].step == 0
 
 
 def test_an_exported_then_imported_run_scores_the_same(run, held_out_file, corpus_file, tmp_path, capsys):

@@ -17,15 +17,16 @@ hold exactly its records, once each, in order:
     tensorboardX was missing or tensorboard=false, a grown run's copied history) are written
     again, at the head of the new life's file, with their old wall times where known.
 Each life writes a file of its own (its name sorts after the earlier ones: TensorBoard reads
-a directory's files in name order). A resumed life's file opens with a SessionLog START at
-step S+1, TensorBoard's purge_step: a TensorBoard left running over the earlier life drops
-the events past S it had read. Every step of the cut is safe to interrupt: the next start
+a directory's files in name order). It opens with a SessionLog START at its first step (S+1
+on resume: TensorBoard's purge_step): a TensorBoard left running over the earlier life drops
+the events past S it had read (it purges at every START of a run but the first, which is
+why a fresh run writes one too). Every step of the cut is safe to interrupt: the next start
 finds a prefix of the log's records, and the rest follows.
 
 The writer: tensorboardX's protobufs (Event, Summary, SessionLog) and its record framing
 (masked CRC-32C), written here synchronously. Its SummaryWriter queues events to a
 background thread that flushes every two minutes: a kill loses what is queued, and a write
-error ends that thread silently, after which a full queue blocks the training loop for good.
+error ends that thread, after which its queue fills and blocks the training loop for good.
 """
 from __future__ import annotations
 
@@ -231,8 +232,8 @@ class TensorBoardLog:
         now = time.time()
         first = 0 if resume_step is None else resume_step + 1
         self._file.write(pb.Event(wall_time=now, step=first, file_version=FILE_VERSION))
-        if resume_step is not None:
-            self._file.write(pb.Event(wall_time=now, step=first, session_log=pb.SessionLog(status=pb.SessionLog.START)))
+        # TensorBoard purges at each START of a run but its first: every life writes one
+        self._file.write(pb.Event(wall_time=now, step=first, session_log=pb.SessionLog(status=pb.SessionLog.START)))
         for wall, step, values in backlog:
             self._write(wall, step, values)
 
