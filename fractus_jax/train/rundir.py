@@ -374,7 +374,7 @@ class MetricsLog:
 
 class TensorBoardEvents:
     """The run's TensorBoard event files (`tboard.TensorBoardLog`), caught up with the log;
-    a write that fails is the run's error, as one of the log."""
+    a write that fails is the run's error, like one of the log's."""
 
     def __init__(self, directory, resume_step: Optional[int], records: list[dict], pb, log: Log,
                  last_good: Callable[[], Optional[int]] = lambda: None):
@@ -403,7 +403,6 @@ def start_tensorboard(workdir, resume_step: Optional[int], records: list[dict], 
                       last_good: Callable[[], Optional[int]] = lambda: None) -> Optional[TensorBoardEvents]:
     """The run's event files in DIR/tensorboard; None, with one note, where tensorboardX
     does not load."""
-    from fractus_jax.train import tboard
     pb, why = tboard.library()
     if pb is None:
         log(tboard.missing_note(why))
