@@ -201,3 +201,24 @@ def test_tensorboard_false_writes_no_event_files(tmp_path):
     rd.write_metrics({"step": 1, "ce": 1.0})
     rd.close()
     assert not (tmp_path / "tensorboard").exists() and (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_broken_tensorboardx_is_named_and_ends_no_run(tmp_path, monkeypatch):
+    import builtins
+
+    from fractus_jax.train import tboard
+    real_import = builtins.__import__
+
+    def no_protobuf(name, *a, **kw):
+        if name.startswith("tensorboardX"):
+            raise ModuleNotFoundError("No module named 'google.protobuf'", name="google.protobuf")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_protobuf)
+    notes = []
+    rd = rundir.RunDir(tmp_path, tensorboard=True, log=notes.append).open()
+    rd.start_metrics(None)
+    rd.write_metrics({"step": 1, "ce": 1.0})
+    rd.close()
+    assert notes == [tboard.missing_note("does not load (ModuleNotFoundError: No module named 'google.protobuf')")]
+    assert not (tmp_path / "tensorboard").exists() and (tmp_path / "metrics.jsonl").exists()

@@ -56,12 +56,19 @@ def library():
     try:
         from tensorboardX.proto import event_pb2, summary_pb2
         from tensorboardX.record_writer import masked_crc32c
-    except ImportError:
-        return None, "is not installed"
+    except ImportError as e:
+        if (e.name or "tensorboardX").split(".")[0] == "tensorboardX":
+            return None, "is not installed"
+        return None, f"does not load ({_first_line(e)})"   # protobuf missing, say
     except Exception as e:   # noqa: BLE001 - a broken install (a protobuf it does not fit) ends no run
-        return None, f"does not load ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+        return None, f"does not load ({_first_line(e)})"
     return SimpleNamespace(Event=event_pb2.Event, SessionLog=event_pb2.SessionLog, Summary=summary_pb2.Summary,
                            crc=masked_crc32c), None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def _f32(x: float) -> float:
