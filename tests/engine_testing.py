@@ -31,4 +31,3 @@ def move_off_init(params, key, scale=0.3):
         out["atom_feat"] = {"weight": 0.05 * jax.random.normal(next(keys), w.shape, w.dtype),
                             "bias": params["atom_feat"]["bias"]}
     return out
-
