@@ -127,13 +127,18 @@ ENTRY %main.5 (p0: f32[4,8], p1: f32[8,2]) -> (f32[2,4], f32[8,4]) {
     assert kinds["tuple.4"] == "elementwise" and kinds["p0"] == "elementwise"
 
 
-def test_profile_of_the_train_step_covers_every_component(capsys):
+def test_profile_of_the_train_step_covers_every_component(capsys, tmp_path):
     # A sequence length of its own: an executable of this program cached by an older version
     # (persistent caches key without metadata) cannot stand in for it.
-    rc = main(["profile", "--config", "tiny", "--set", "seq_len=24", "--steps", "1", "--warmup", "1", "--json"])
+    rc = main(["profile", "--config", "tiny", "--set", "seq_len=24", "--steps", "1", "--warmup", "1", "--json",
+               "--trace", str(tmp_path / "trace")])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
     r = json.loads(lines[-1])
+    # the trace kept: TensorBoard's profile plugin reads the xplane, Perfetto the JSON
+    runs = list((tmp_path / "trace" / "plugins" / "profile").iterdir())
+    assert len(runs) == 1 and list(runs[0].glob("*.xplane.pb")) and list(runs[0].glob("*.trace.json.gz"))
+    assert r["trace"].startswith(str(runs[0])) and any(line.startswith("trace: ") for line in lines)
     parts = r["components"]
     for name in ("attention", "kuramoto", "moe", "layernorm", "loss", "optimizer"):
         assert name in parts, name

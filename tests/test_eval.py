@@ -21,6 +21,8 @@ from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
 from fractus_jax.train import plan as plan_lib
 
+from tensorboard_testing import assert_curves_are_the_log, read_event_files
+
 ROOT = Path(__file__).resolve().parents[1]
 VAL = ["val_fraction=0.1", "eval_every=3", "val_ids=512", "val_lanes=4"]
 
@@ -143,6 +145,19 @@ def test_the_trainer_logs_what_the_command_reports(run, capsys):
         assert abs(out["ce"] - evaluated[step]["val_ce"]) <= 1e-5
         assert abs(out["bpb"] - evaluated[step]["val_bpb"]) <= 1e-5
         assert abs(out["ce_no_carry"] - evaluated[step]["val_ce_no_carry"]) <= 1e-5
+
+
+def test_the_event_files_hold_the_logs_scalars_at_its_steps(run):
+    """TensorBoard's curves of the run: each number of each metrics.jsonl record, at its step."""
+    _, workdir, _ = run
+    steps = assert_curves_are_the_log(workdir)
+    for tag in ("ce_tf", "ema_tf", "lr", "grad_norm", "keep_rate", "ids_per_s_tf", "step_s"):
+        assert steps[tag] == [1, 2, 3, 4, 5, 6], tag
+    for tag in ("val_ce", "val_bpb", "val_ce_warm", "val_bpb_warm", "val_ce_no_carry", "val_bpb_no_carry"):
+        assert steps[tag] == [3, 6], tag
+    (name, events), = read_event_files(workdir / "tensorboard")   # one life, one file
+    assert name.startswith("events.out.tfevents.") and events[0].file_version == "brain.Event:2"
+    assert events[1].session_log.status == events[1].session_log.START and events[1].step == 0
 
 
 def test_an_exported_then_imported_run_scores_the_same(run, held_out_file, corpus_file, tmp_path, capsys):

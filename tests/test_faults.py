@@ -29,6 +29,8 @@ from fractus_jax.train.errors import StalledError
 from fractus_jax.train.watch import SkipWatch
 from fractus_jax.train.__main__ import main as train_cli
 
+from tensorboard_testing import assert_curves_are_the_log, read_event_files
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -245,6 +247,12 @@ def test_a_damaged_newest_step_falls_back_to_the_previous_one(damage, warning, r
     assert_same_state(straight, d, cfg6)      # steps 3 and 4 trained again, identically
     assert metrics_steps(d) == [1, 2, 3, 4, 5, 6]
     assert strict((d / "manifest.json").read_text())["step"] == 6
+    # TensorBoard's curves: steps 3 and 4 of the first life cut, once each from the second
+    steps = assert_curves_are_the_log(d)
+    assert steps["ce_tf"] == steps["grad_norm"] == [1, 2, 3, 4, 5, 6]
+    (_, first), (_, second) = read_event_files(d / "tensorboard")
+    assert [e.step for e in first if e.summary.value] == [1, 2]
+    assert second[1].session_log.status == second[1].session_log.START and second[1].step == 3   # purge_step
 
 
 def test_generate_and_export_skip_a_damaged_newest_step(runs, tmp_path, capsys):
@@ -289,17 +297,40 @@ def test_a_torn_metrics_line_is_dropped_on_resume(runs, tmp_path):
     assert any(line.startswith(f"warning: {d / 'metrics.jsonl'}: dropped 2 lines") for line in logs), logs
     assert metrics_steps(d) == [1, 2, 3, 4, 5, 6]
     assert_same_state(straight, d, cfg6)
+    assert assert_curves_are_the_log(d)["ce_tf"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_without_tensorboardx_a_run_notes_it_once_and_the_next_start_catches_up(runs, tmp_path, monkeypatch):
+    cfg6, straight, _ = runs
+    d = copy_split(runs, tmp_path)
+    with monkeypatch.context() as m:
+        for name in [n for n in sys.modules if n.split(".")[0] == "tensorboardX"] + ["tensorboardX"]:
+            m.setitem(sys.modules, name, None)   # import tensorboardX fails
+        _, logs = train(cfg6, d)
+    notes = [line for line in logs if "tensorboardX" in line]
+    assert notes == [f"note: tensorboardX is not installed: no TensorBoard event files this run "
+                     f"(pip install -e \".[tensorboard]\" adds them, and the next start writes the whole "
+                     f"history; tensorboard=false silences this)"], logs
+    assert metrics_steps(d) == [1, 2, 3, 4, 5, 6]
+    assert_same_state(straight, d, cfg6)
+    # the library back: a start at max_steps trains nothing and writes steps 5 and 6 to the curves
+    _, logs = train(cfg6, d)
+    assert not any("tensorboardX" in line for line in logs), logs
+    assert assert_curves_are_the_log(d)["ce_tf"] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_fresh_run_never_appends_to_an_older_runs_log(runs, corpus_file, tmp_path):
     d = tmp_path / "run"
     d.mkdir()
     shutil.copy(runs[2] / "metrics.jsonl", d / "metrics.jsonl")   # a log, and no checkpoint
+    shutil.copytree(runs[2] / "tensorboard", d / "tensorboard")     # and its curves
     _, logs = train(tiny(corpus_file, "max_steps=4"), d)   # the split run's config: its step is compiled
     assert metrics_steps(d) == [1, 2, 3, 4]
     old = list(d.glob("metrics.old-*.jsonl"))
     assert len(old) == 1 and old[0].read_text() == (runs[2] / "metrics.jsonl").read_text()
-    assert any("moved it to" in line for line in logs), logs
+    assert sum("moved it to" in line for line in logs) == 2, logs
+    assert [p.name for p in d.glob("tensorboard.old-*/*")] == [p.name for p in (runs[2] / "tensorboard").iterdir()]
+    assert len(read_event_files(d / "tensorboard")) == 1 and assert_curves_are_the_log(d)["ce_tf"] == [1, 2, 3, 4]
 
 
 # ----------------------------------------------------------------------------- one writer

@@ -29,6 +29,8 @@ from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
 from fractus_jax.train.config import MeshConfig, TrainConfig
 
+from tensorboard_testing import assert_curves_are_the_log
+
 ROOT = Path(__file__).resolve().parents[1]
 GROW_ALL = ["--add-layers", "1", "--add-experts", "2", "--siren-rank", "12"]
 
@@ -223,6 +225,9 @@ def test_training_resumes_from_the_grown_directory(corpus_file, grown, tmp_path)
     assert np.abs(mu["attn"]["w_out"][2]).max() > 0 and np.abs(mu["moe"]["U2"][:2, 8:]).max() > 0
     assert np.abs(mu["moe"]["V1"][:2, :8, :, 8:]).max() > 0
     assert np.all(np.isfinite(state["params"]["observe"]))
+    # the copied log's history went to the grown run's TensorBoard curves, then its step 3
+    assert not (out / "tensorboard").exists()
+    assert assert_curves_are_the_log(work)["ce_tf"] == [1, 2, 3]
 
 
 def test_the_trainer_keeps_the_growth_history_in_later_manifests(corpus_file, grown, tmp_path):

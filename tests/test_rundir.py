@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fractus_jax.train import rundir
@@ -140,3 +141,84 @@ def test_io_errors_name_the_path_and_the_last_good_step(tmp_path):
     assert isinstance(err, rundir.CheckpointError)
     long = rundir.reason(ValueError("first line\n" + "x" * 1000))
     assert long == "ValueError: first line"
+
+
+# ----------------------------------------------------------------------------- TensorBoard event files
+
+def test_the_scalars_of_a_record_are_its_finite_numbers_and_flat_lists():
+    from fractus_jax.train.tboard import scalars
+    record = {"step": 7, "ce_tf": 2.5, "lr": 1e-3, "skipped": 0.0, "ce_ss": float("nan"), "ema_ss": None,
+              "lb_per_block": [0.5, 0.25], "alive_experts": [4, 3], "expert_hits": [[1, 2], [3, 4]],
+              "speech_text": "def main(", "speech_unique_ids": 12}
+    assert scalars(record) == {"ce_tf": 2.5, "lr": float(np.float32(1e-3)), "skipped": 0.0, "lb_per_block/0": 0.5,
+                               "lb_per_block/1": 0.25, "alive_experts/0": 4.0, "alive_experts/1": 3.0,
+                               "speech_unique_ids": 12.0}
+
+
+def test_a_resume_cuts_the_event_files_to_the_log_and_writes_what_they_lack(tmp_path):
+    """Steps past the resumed one and a torn write are cut; records the files lack are written
+    again; the new life's file sorts last and opens with TensorBoard's purge_step."""
+    pytest.importorskip("tensorboardX")
+    from tensorboard_testing import curves, read_event_files
+    from fractus_jax.train import tboard
+
+    pb, _ = tboard.library()
+    d = tmp_path / "tensorboard"
+    records = [{"step": s, "ce": 5.0 - s, "probe": [s, 2 * s]} for s in range(1, 9)]
+    log = tboard.TensorBoardLog(d, None, [], pb, print)
+    for r in records[:6]:
+        log.write(r)
+    log.close()
+    first = log.path
+    with open(first, "ab") as f:
+        f.write(b"\x30\x00\x00")   # a record cut short by a kill
+    log = tboard.TensorBoardLog(d, 4, records[:4], pb, print)   # fell back to step 4
+    for r in records[4:6]:
+        log.write(r)
+    log.close()
+    assert curves(d)["ce"] == [(s, 5.0 - s) for s in range(1, 7)] and curves(d)["probe/1"][-1] == (6, 12.0)
+    (a, old), (b, new) = read_event_files(d)
+    assert (a, b) == (first.name, log.path.name) and a < b
+    assert [e.step for e in old if e.summary.value] == [1, 2, 3, 4]
+    assert new[1].session_log.status == new[1].session_log.START and new[1].step == 5
+    # the files lost (a grown run's copy of the log, a run without tensorboardX): all written again
+    for p in d.iterdir():
+        p.unlink()
+    log = tboard.TensorBoardLog(d, 8, records, pb, print)
+    log.close()
+    assert curves(d)["ce"] == [(s, 5.0 - s) for s in range(1, 9)]
+    # nothing to change: the files stay as they are, the new one adds only its header
+    sizes = {p.name: p.stat().st_size for p in d.iterdir()}
+    log = tboard.TensorBoardLog(d, 8, records, pb, print)
+    log.close()
+    assert {p.name: p.stat().st_size for p in d.iterdir() if p.name in sizes} == sizes
+    assert curves(d)["ce"] == [(s, 5.0 - s) for s in range(1, 9)]
+
+
+def test_tensorboard_false_writes_no_event_files(tmp_path):
+    rd = rundir.RunDir(tmp_path, tensorboard=False, log=print).open()
+    rd.start_metrics(None)
+    rd.write_metrics({"step": 1, "ce": 1.0})
+    rd.close()
+    assert not (tmp_path / "tensorboard").exists() and (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_broken_tensorboardx_is_named_and_ends_no_run(tmp_path, monkeypatch):
+    import builtins
+
+    from fractus_jax.train import tboard
+    real_import = builtins.__import__
+
+    def no_protobuf(name, *a, **kw):
+        if name.startswith("tensorboardX"):
+            raise ModuleNotFoundError("No module named 'google.protobuf'", name="google.protobuf")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_protobuf)
+    notes = []
+    rd = rundir.RunDir(tmp_path, tensorboard=True, log=notes.append).open()
+    rd.start_metrics(None)
+    rd.write_metrics({"step": 1, "ce": 1.0})
+    rd.close()
+    assert notes == [tboard.missing_note("does not load (ModuleNotFoundError: No module named 'google.protobuf')")]
+    assert not (tmp_path / "tensorboard").exists() and (tmp_path / "metrics.jsonl").exists()

@@ -484,6 +484,7 @@ def test_the_end_of_a_run_says_where_its_outputs_are(corpus_file, tmp_path):
     assert f"python -m fractus_jax.generate --ckpt {workdir} --prompt 'def main(' --mode window --window 16" in err
     assert f"python -m fractus_jax.convert export --ckpt {workdir}" in err
     assert "scripts/plot_metrics.py" in err and (ROOT / "scripts" / "plot_metrics.py").exists()
+    assert f"watch: tensorboard --logdir {workdir / 'tensorboard'}" in err and (workdir / "tensorboard").is_dir()
     assert f"python -m fractus_jax.eval --ckpt {workdir}" in err
     held = next(line for line in err.splitlines() if line.startswith("held-out ("))
     assert "256 ids" in held and "val_bpb" in held and "the carry as trained (restarted at every chunk)" in held

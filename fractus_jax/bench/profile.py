@@ -18,8 +18,12 @@ summed per step by:
 
 and it reports how busy the host's threads were: op time per thread over the traced span.
 Sums are op times: two threads running at once count twice, so the total can exceed the
-wall time. With `--trace-dir` the raw trace is kept (TensorBoard's profile plugin or
-Perfetto read it). With --json the last line is one JSON object.
+wall time. With --json the last line is one JSON object.
+
+`--trace DIR` keeps the raw `jax.profiler` trace of the traced steps in
+DIR/plugins/profile/<time>/: <host>.xplane.pb, which `tensorboard --logdir DIR` shows in its
+Profile tab (pip install tensorboard tensorboard-plugin-profile), and <host>.trace.json.gz,
+which Perfetto (ui.perfetto.dev) or chrome://tracing open.
 """
 from __future__ import annotations
 
@@ -238,12 +242,16 @@ def main(argv=None) -> int:
 
     p = step_parser("python -m fractus_jax.bench profile", __doc__, 3, "traced steps")
     p.add_argument("--top", type=int, default=15, help="operations listed")
-    p.add_argument("--trace-dir", default=None, help="keep the raw trace here")
+    p.add_argument("--trace", "--trace-dir", dest="trace_dir", metavar="DIR", default=None,
+                   help="keep the jax.profiler trace in DIR (tensorboard --logdir DIR, or Perfetto)")
     args = p.parse_args(argv)
     cfg = step_config(args)
     r = profile_step(cfg, args.steps, args.warmup, args.trace_dir, args.top)
     print(f"{args.config} on {r['devices']} device(s), {r['backend']}, host malloc {r['allocator']}")
     print(format_table(r))
+    if args.trace_dir:
+        print(f"trace: {r['trace']} (Perfetto: ui.perfetto.dev); tensorboard --logdir {args.trace_dir} "
+              "shows it in its Profile tab (pip install tensorboard tensorboard-plugin-profile)")
     if args.json:
         print(json.dumps(r))
     return 0

@@ -16,6 +16,7 @@ from fractus_jax.train import plan as plan_lib
 from fractus_jax.train.errors import TrainError
 from fractus_jax.train.heldout import carry_schedule
 from fractus_jax.train.rundir import METRICS
+from fractus_jax.train.tboard import DIRNAME as TENSORBOARD
 
 
 def parse_args(argv=None):
@@ -135,6 +136,10 @@ def outputs_summary(args, argv, cfg, manifest) -> str:
         lines.append(f"  export: python -m fractus_jax.convert export --ckpt {q(str(workdir))} "
                      f"--out {q(str(workdir / 'model.pt'))}" + _needs("torch", "torch"))
     lines.append(f"  plot: python {q(_script('plot_metrics.py'))} {q(str(workdir))}" + _needs("matplotlib", "plot"))
+    if cfg.tensorboard:
+        viewer = "" if importlib.util.find_spec("tensorboard") is not None else "   (first: pip install tensorboard)"
+        lines.append(f"  watch: tensorboard --logdir {q(str(workdir / TENSORBOARD))}"
+                     + (_needs("tensorboardX", "tensorboard") or viewer))
     return "\n".join(lines)
 
 

@@ -80,6 +80,7 @@ class TrainConfig:
     feats: bool = False               # atom packet features (fractus_jax.atom.features) into the engine
     seed: int = 0
     log_every: int = 10
+    tensorboard: bool = True          # the metrics log's records also as event files in WORKDIR/tensorboard
     save_every: int = 1000
     save_every_minutes: float = 0.0
     keep_checkpoints: int = 3

@@ -73,7 +73,8 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
 
     The run directory is held for the run (`rundir.RunDir`: a second writer is refused) and
     closed however the run ends: a save in flight commits, the lock is released."""
-    rd = rundir.RunDir(plan.workdir, lead=jax.process_index() == 0, log=log).open()
+    rd = rundir.RunDir(plan.workdir, lead=jax.process_index() == 0, log=log,
+                       tensorboard=plan.cfg.tensorboard).open()
     try:
         last = _Trainer(plan, rd, progress, log).train()
     except BaseException:

@@ -4,6 +4,7 @@
     DIR/manifest.json          derived from the newest good checkpoint's meta; repaired on resume
     DIR/metrics.jsonl          one JSON object per line; torn lines are dropped on resume
     DIR/metrics.old-<t>.jsonl  the log of an earlier run that left no checkpoint, set aside
+    DIR/tensorboard/           the log's records as TensorBoard event files (`tboard.py`)
     DIR/rejected/<step>        checkpoints that failed verification, moved aside (never deleted)
 
 The checkpoints' arrays and their checksums are `checkpoint.py`'s. Everything here is plain
@@ -20,6 +21,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
+
+from fractus_jax.train import tboard
 
 LOCK = ".lock"
 MANIFEST = "manifest.json"
@@ -296,16 +299,19 @@ def _metrics_until(path, last_step: int, log: Log) -> str:
     return "".join(line + "\n" for line, record in read_metrics(path, log) if _step_of(record) <= last_step)
 
 
-def truncate_metrics(path, last_step: int, log: Log) -> None:
+def truncate_metrics(path, last_step: int, log: Log) -> list[dict]:
     """On resume: keep the lines up to the restored step (lines past it were logged after the
-    last save), drop torn lines; rewritten atomically, only when something changes."""
+    last save), drop torn lines; rewritten atomically, only when something changes. The
+    records kept."""
     path = Path(path)
     if not path.exists():
-        return
+        return []
     raw = path.read_bytes()
-    text = _metrics_until(path, last_step, log)
+    kept = [(line, record) for line, record in read_metrics(path, log) if _step_of(record) <= last_step]
+    text = "".join(line + "\n" for line, _ in kept)
     if text.encode() != raw:
         write_text_atomic(path, text)
+    return [record for _, record in kept]
 
 
 def copy_metrics(src, dst, last_step: int, log: Log) -> None:
@@ -339,11 +345,12 @@ class MetricsLog:
                  last_good: Callable[[], Optional[int]] = lambda: None):
         self.path = Path(path)
         self._last_good = last_good
+        self.kept: list[dict] = []   # the records of a resumed log, up to the resumed step
         try:
             if resume_step is None:
                 set_aside_metrics(self.path, log)
             else:
-                truncate_metrics(self.path, resume_step, log)
+                self.kept = truncate_metrics(self.path, resume_step, log)
             self._file = open(self.path, "a")
         except OSError as e:
             raise io_error("cannot write", self.path, e, resume_step) from None
@@ -365,22 +372,64 @@ class MetricsLog:
             raise io_error("cannot write", self.path, e, self._last_good()) from None
 
 
+class TensorBoardEvents:
+    """The run's TensorBoard event files (`tboard.TensorBoardLog`), caught up with the log;
+    a write that fails is the run's error, like one of the log's."""
+
+    def __init__(self, directory, resume_step: Optional[int], records: list[dict], pb, log: Log,
+                 last_good: Callable[[], Optional[int]] = lambda: None):
+        self.directory = Path(directory)
+        self._last_good = last_good
+        try:
+            self._log = tboard.TensorBoardLog(self.directory, resume_step, records, pb, log)
+        except OSError as e:
+            raise io_error("cannot write", getattr(e, "filename", None) or self.directory, e, resume_step) from None
+        self.path = self._log.path
+
+    def write(self, record: dict) -> None:
+        try:
+            self._log.write(record)
+        except OSError as e:
+            raise io_error("cannot write", self.path, e, self._last_good()) from None
+
+    def close(self) -> None:
+        try:
+            self._log.close()
+        except OSError as e:
+            raise io_error("cannot write", self.path, e, self._last_good()) from None
+
+
+def start_tensorboard(workdir, resume_step: Optional[int], records: list[dict], log: Log,
+                      last_good: Callable[[], Optional[int]] = lambda: None) -> Optional[TensorBoardEvents]:
+    """The run's event files in DIR/tensorboard; None, with one note, where tensorboardX
+    does not load."""
+    pb, why = tboard.library()
+    if pb is None:
+        log(tboard.missing_note(why))
+        return None
+    return TensorBoardEvents(Path(workdir) / tboard.DIRNAME, resume_step, records, pb, log, last_good)
+
+
 # ----------------------------------------------------------------------------- the directory
 
 class RunDir:
     """A run directory opened for writing: created, locked, cleaned of a crash's leftovers.
 
     `lead` is the process that writes the files (process 0 of a multi-host run: the others
-    take no lock and touch nothing here). `close` closes what the run registered (its
-    metrics log and checkpointer, whose close commits a save in flight) and releases the lock.
+    take no lock and touch nothing here). Each record goes to the metrics log and, with
+    `tensorboard`, to the event files. `close` closes what the run registered (its metrics
+    log, event files and checkpointer, whose close commits a save in flight) and releases
+    the lock.
     """
 
-    def __init__(self, workdir, lead: bool = True, log: Log = print):
+    def __init__(self, workdir, lead: bool = True, log: Log = print, tensorboard: bool = False):
         self.workdir = Path(workdir)
         self.lead = lead
         self.log = log
+        self.tensorboard_on = tensorboard
         self.lock = RunLock(self.workdir)
         self.metrics: Optional[MetricsLog] = None
+        self.tensorboard: Optional[TensorBoardEvents] = None
         self.checkpointer = None   # anything with close() and last_good
 
     def open(self) -> "RunDir":
@@ -413,11 +462,17 @@ class RunDir:
     def start_metrics(self, resume_step: Optional[int]) -> Optional[MetricsLog]:
         if self.lead:
             self.metrics = MetricsLog(self.workdir / METRICS, resume_step, self.log, self.last_good)
+            if self.tensorboard_on:
+                self.tensorboard = start_tensorboard(self.workdir, resume_step, self.metrics.kept, self.log,
+                                                     self.last_good)
+            self.metrics.kept = []
         return self.metrics
 
     def write_metrics(self, record: dict) -> None:
         if self.metrics is not None:
             self.metrics.write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
 
     def resumed(self, meta: dict, rejected: Iterable[tuple[int, str]] = ()) -> None:
         """After the restore of meta's step: rejected newer steps moved aside, the manifest
@@ -436,7 +491,7 @@ class RunDir:
         """Close everything; with quiet (an error is already on its way) a second failure is
         logged instead of raised."""
         first = None
-        for thing in (self.metrics, self.checkpointer):
+        for thing in (self.metrics, self.tensorboard, self.checkpointer):
             if thing is None:
                 continue
             try:
@@ -446,7 +501,7 @@ class RunDir:
                     self.log(f"warning: while stopping: {e}")
                 elif first is None:
                     first = e
-        self.metrics = self.checkpointer = None
+        self.metrics = self.tensorboard = self.checkpointer = None
         self.lock.release()
         if first is not None:
             raise first
