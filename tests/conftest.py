@@ -1,5 +1,5 @@
-"""Test setup: 8 fake CPU devices (for the sharding tests) before JAX initialises, and a
-persistent compilation cache for the CLI subprocesses, so that each of their programs is
+"""Test setup: 8 fake CPU devices (for the sharding tests) before JAX initialises, XLA:CPU
+code generation at -O0, and a persistent compilation cache for the CLI subprocesses, so that each of their programs is
 compiled once per machine.
 
 No silent skips: the device-count flag is added to an XLA_FLAGS already set (one that names
@@ -12,9 +12,18 @@ import tempfile
 
 FAKE_DEVICES = 8
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# XLA:CPU's code generation at -O0: the tests' programs are tiny, and compiling them, not
+# running them, is most of the suite's time. XLA's own passes (fusion, layout, sharding)
+# still run; only LLVM's optimisation of the machine code is skipped. Results differ from
+# -O2's by rounding only (another order of float32 sums); every comparison in the suite is
+# between programs compiled alike or within a tolerance. A level already set is kept.
+OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
 _flags = os.environ.get("XLA_FLAGS", "")
 if DEVICE_COUNT_FLAG not in _flags:
-    os.environ["XLA_FLAGS"] = f"{_flags} {DEVICE_COUNT_FLAG}={FAKE_DEVICES}".strip()
+    _flags = f"{_flags} {DEVICE_COUNT_FLAG}={FAKE_DEVICES}".strip()
+if OPT_LEVEL_FLAG not in _flags:
+    _flags = f"{_flags} {OPT_LEVEL_FLAG}=0"
+os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Subprocesses (CLI tests) inherit these through the environment.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fractus_jax_test_xla_cache"))
