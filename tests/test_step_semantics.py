@@ -1,0 +1,110 @@
+"""What a training step computes, against definitions written here: the loss (CE, load
+balance, the anti-repeat term), scheduled sampling's inputs, and its second update."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fractus_jax as fj
+from fractus_jax import model, sharding
+from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import state as state_lib
+from fractus_jax.train import step as step_lib
+from engine_testing import move_off_init
+
+
+def tiny(*overrides):
+    return cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), list(overrides))
+
+
+def loss_written_out(params, carry, inputs, targets, cfg, ce_weight=1.0):
+    """ce_weight · mean next-id CE + lb_coef · lb + repeat_coef · mean p(next = the current
+    input id), from the engine's logits."""
+    logits, lb, _ = model.forward_chunk(params, carry, inputs, cfg.model)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    ce = -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+    repeat = jnp.exp(jnp.take_along_axis(logp, inputs[..., None], -1)).mean()
+    return ce_weight * ce + cfg.lb_coef * lb + cfg.repeat_coef * repeat
+
+
+def test_the_loss_is_ce_plus_load_balance_plus_the_anti_repeat_term():
+    cfg = tiny("repeat_coef=0.7", "lb_coef=0.3", "ce_chunk=24", "model.capacity_factor=none")
+    B, C = cfg.batch_size, cfg.seq_len
+    with jax.enable_x64(True):
+        params = move_off_init(fj.init_params(cfg.model, jax.random.PRNGKey(0), jnp.float64), jax.random.PRNGKey(1))
+        ids = jax.random.randint(jax.random.PRNGKey(2), (B, C + 1), 0, 256)
+        carry = fj.init_state(cfg.model, B, jnp.float64)
+        inputs, targets = ids[:, :-1], ids[:, 1:]
+        got_loss, got_grad = jax.jit(jax.value_and_grad(
+            lambda p: step_lib._loss(p, carry, inputs, targets, None, cfg, 0.5)[0]))(params)
+        want_loss, want_grad = jax.jit(jax.value_and_grad(
+            lambda p: loss_written_out(p, carry, inputs, targets, cfg, 0.5)))(params)
+        without = loss_written_out(params, carry, inputs, targets, tiny("repeat_coef=0", "lb_coef=0"), 0.5)
+    assert abs(float(got_loss) - float(want_loss)) <= 1e-10 * abs(float(want_loss))
+    assert abs(float(want_loss) - float(without)) > 1e-3   # the lb (and repeat) terms count
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12), got_grad, want_grad)
+
+
+def test_scheduled_sampling_replaces_inputs_by_the_previous_prediction_at_its_rate():
+    # a near-zero temperature makes the sample the prediction's argmax: checkable exactly
+    cfg = tiny("ss_p0=0", "ss_p1=1", "ss_ramp=15", "ss_temperature=1e-4", "batch_size=64")
+    A, B, C = 1, cfg.batch_size, cfg.seq_len
+    params = fj.init_params(cfg.model, jax.random.PRNGKey(0))
+    inputs = jax.random.randint(jax.random.PRNGKey(1), (A, B, C), 0, 256)
+    h = jax.random.normal(jax.random.PRNGKey(2), (A, B, C, cfg.model.d_model))
+    mixed = np.asarray(jax.jit(lambda k: step_lib.mix_inputs(cfg, params, inputs, h, k))(jax.random.PRNGKey(3)))
+    logits = np.asarray(model.logits_from_hidden(params, h[0]), np.float64)   # (B, C, V)
+    prediction = logits.argmax(-1)
+    inputs = np.asarray(inputs)
+    replaced = mixed[0] != inputs[0]
+    assert not replaced[:, 0].any()
+    # a replaced input is a sample of softmax(logits at t-1 / T): the argmax, or an id whose
+    # logit is within a few T·(Gumbel noise) of it (near ties)
+    rows, cols = np.nonzero(replaced[:, 1:])
+    chosen = logits[rows, cols, mixed[0][:, 1:][rows, cols]]
+    assert (chosen >= logits[rows, cols].max(-1) - 50 * cfg.ss_temperature).all()
+    assert (mixed[0][:, 1:][rows, cols] == prediction[rows, cols]).mean() > 0.95
+    # the rate at position t is ss_prob(t) = t/15 (a replacement by an equal id is unseen:
+    # count those positions as replaced when the prediction equals the input)
+    hit = replaced[:, 1:] | (prediction[:, :-1] == inputs[0][:, 1:])
+    rate = hit.mean(0)
+    want = np.minimum(np.arange(1, C) / 15, 1.0)
+    # 64 rows a position: 4 binomial standard deviations, and the ramp's ends
+    assert (np.abs(rate - want) <= 4 * np.sqrt(want * (1 - want) / B) + 1 / B + 0.02).all(), (rate, want)
+    assert rate[-1] == 1.0 and rate[0] < 0.3
+
+
+def test_the_scheduled_sampling_update_is_a_second_step_at_half_the_ce():
+    cfg = tiny("ss_rate=1", "optimizer=sgd", "lr=0.05", "model.capacity_factor=none")
+    state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(0))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (1, cfg.batch_size, cfg.seq_len + 1), 0, 256)
+    new_state, metrics = jax.jit(step_lib.make_train_step(cfg))(state, {"ids": ids})
+    assert int(metrics["ss_ran"]) == 1
+
+    # written out: a teacher-forced update, then one at 0.5·CE on the mixed inputs from the
+    # same starting carry, applied to the first update's parameters
+    inputs, targets = ids[0, :, :-1], ids[0, :, 1:]
+    p0, carry0 = state["params"], state["carry"]
+    tx = state_lib.make_optimizer(cfg, p0)
+    lr = state_lib.learning_rate(cfg, state["step"])
+
+    def update(p, opt, loss_fn):
+        g = jax.grad(loss_fn)(p)
+        u, opt = tx.update(g, opt, p)
+        return optax.apply_updates(p, jax.tree.map(lambda x: lr * x, u)), opt
+
+    @jax.jit
+    def written_out(p0, opt0):
+        p1, opt1 = update(p0, opt0, lambda p: loss_written_out(p, carry0, inputs, targets, cfg))
+        h, _, _ = model.forward_hidden(p0, carry0, inputs, cfg.model)
+        key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), state["step"])
+        _, k_mix = jax.random.split(key)
+        mixed = step_lib.mix_inputs(cfg, p0, inputs[None], h[None], k_mix)[0]
+        p2, _ = update(p1, opt1, lambda p: loss_written_out(p, carry0, mixed, targets, cfg, 0.5))
+        return p1, p2
+
+    p1, p2 = written_out(p0, state["opt_state"])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-7), new_state["params"], p2)
+    # the second update moved the weights beyond that tolerance
+    moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), p2, p1)
+    assert max(jax.tree.leaves(moved)) > 1e-4
