@@ -1,5 +1,7 @@
 """What a training step computes, against definitions written here: the loss (CE, load
 balance, the anti-repeat term), scheduled sampling's inputs, and its second update."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,9 +9,15 @@ import optax
 
 import fractus_jax as fj
 from fractus_jax import model, sharding
+from fractus_jax.atom.corpus import build_corpus, open_corpus
+from fractus_jax.eval.__main__ import main as eval_main
+from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import loop
+from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
+from fractus_jax.train.data import LaneReader, chunk_features
 from engine_testing import move_off_init
 
 
@@ -108,3 +116,51 @@ def test_the_scheduled_sampling_update_is_a_second_step_at_half_the_ce():
     # the second update moved the weights beyond that tolerance
     moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), p2, p1)
     assert max(jax.tree.leaves(moved)) > 1e-4
+
+
+def test_a_run_with_packet_features_learns_a_memorisable_text_and_logs_its_own_ce(tmp_path, capsys):
+    """The trainer, fed Atom packet features, on a text it can memorise: the loss falls; the
+    logged ce_tf of a step equals the CE written out here from the checkpoint before it (its
+    weights, carry and the batch its lane offset names); its val_corpus file is scored as
+    the eval command scores it."""
+    text = "the quick brown fox jumps over the lazy dog; " * 6
+    build_corpus([_write(tmp_path / "a.txt", text * 40)], tmp_path / "a.u16", progress=False, log=lambda m: None)
+    build_corpus([_write(tmp_path / "b.txt", text * 3)], tmp_path / "held.u16", progress=False, log=lambda m: None)
+    cfg = tiny(f"corpus={tmp_path / 'a.u16'}", "feats=true", f"val_corpus={tmp_path / 'held.u16'}",
+               "eval_every=30", "val_ids=1024", "max_steps=30", "save_every=10", "lr=1e-2", "warmup_steps=2",
+               "model.capacity_factor=none")
+    workdir = tmp_path / "run"
+    loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
+    log = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    ce = [m["ce_tf"] for m in log]
+    assert np.mean(ce[-5:]) < np.mean(ce[:5]) - 1.0, ce
+
+    # step 21's logged CE, from the checkpoint at step 20 and the batch step 21 read
+    ck = ckpt_lib.RunCheckpointer(workdir, read_only=True)
+    try:
+        state, meta = ck.restore(state_lib.abstract_train_state(cfg), 20)
+    finally:
+        ck.close()
+    reader = LaneReader(open_corpus(tmp_path / "a.u16").ids, cfg.batch_size, cfg.seq_len)
+    chunks, _, context = reader.read(int(meta["start_token_next"]), left=loop.FEATURE_CONTEXT)
+    feats = chunk_features(chunks, context)[0]
+    inputs, targets = jnp.asarray(chunks[0, :, :-1]), jnp.asarray(chunks[0, :, 1:])
+    logits, _, _ = model.forward_chunk(state["params"], state["carry"], inputs, cfg.model, jnp.asarray(feats))
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    want = float(-jnp.take_along_axis(logp, targets[..., None], -1).mean())
+    without_feats, _, _ = model.forward_chunk(state["params"], state["carry"], inputs, cfg.model)
+    assert float(jnp.abs(without_feats - logits).max()) > 1e-3   # the features enter the step
+    got = next(m["ce_tf"] for m in log if m["step"] == 21)
+    assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (got, want)
+
+    # the val_corpus file: logged at step 30 as the eval command scores it
+    assert eval_main(["--ckpt", str(workdir), "--ids", "1024", "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    logged = next(m for m in log if m["step"] == 30)
+    assert out["corpus"].endswith("held.u16 (the run's val_corpus)")
+    assert abs(out["ce"] - logged["val_ce"]) <= 1e-5 and abs(out["bpb"] - logged["val_bpb"]) <= 1e-5
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
