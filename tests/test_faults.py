@@ -20,6 +20,8 @@ import jax
 import numpy as np
 import pytest
 
+from fractus_jax.convert.__main__ import main as convert_cli
+from fractus_jax.generate import main as generate_cli
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop, rundir
@@ -256,12 +258,28 @@ def test_a_damaged_newest_step_falls_back_to_the_previous_one(damage, warning, r
 
 
 def test_generate_and_export_skip_a_damaged_newest_step(runs, tmp_path, capsys):
+    torch = pytest.importorskip("torch")
     d = copy_split(runs, tmp_path)
     _flip_params(d)
     step, _, _ = ckpt_lib.read_step(d)
     assert step == 2 and "warning: step 4: params failed its checksum; falling back to step 2" in capsys.readouterr().err
     with pytest.raises(ckpt_lib.CheckpointError, match="step 4: params failed its checksum"):
         ckpt_lib.load_for_inference(d, step=4)
+    # the commands, given the run directory, use step 2: what they print and write is step 2's
+    outs = {}
+    for name, ckpt in (("run", d), ("step2", d / "checkpoints" / "2")):
+        assert generate_cli(["--ckpt", str(ckpt), "--prompt", "def f(", "--max-new", "6", "--json"]) == 0
+        out, err = capsys.readouterr()
+        outs[name] = json.loads(out.strip().splitlines()[-1])
+        if name == "run":
+            assert "warning: step 4: params failed its checksum; falling back to step 2" in err, err
+        assert convert_cli(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / f"{name}.pt")]) == 0
+        capsys.readouterr()
+    assert outs["run"]["ids"] == outs["step2"]["ids"]
+    a, b = (torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in ("run", "step2"))
+    assert a["step"] == b["step"] == 2
+    assert a["model_state"].keys() == b["model_state"].keys()
+    assert all(torch.equal(a["model_state"][k], b["model_state"][k]) for k in a["model_state"])
 
 
 def test_retention_keeps_the_newest_good_step(runs, tmp_path):
