@@ -169,18 +169,22 @@ def test_the_trained_function_does_not_depend_on_the_mesh(corpus_file, tmp_path,
         assert max(keep[(1, 1)]) < 1.0                   # the capacity dropped assignments...
         np.testing.assert_allclose(keep[(8, 1)], keep[(1, 1)], rtol=1e-6)   # ...the same ones
     one = weights[(1, 1)]
-    init = model.init_params(cfg_lib.load_config("tiny").model, jax.random.PRNGKey(0))
-    assert np.abs(one["blocks"]["moe"]["b2"] - np.asarray(init["blocks"]["moe"]["b2"])).max() > 1e-4
+    init = jax.tree.map(lambda a: np.asarray(a, np.float64),
+                        model.init_params(cfg_lib.load_config("tiny").model, jax.random.PRNGKey(0)))
+    update = jax.tree.map(lambda a, b: np.abs(a - b).max(), one, init)   # each leaf's own 3 steps
+    # AdamW: every leaf the loss reaches moved about lr a step (the others at most by decay)
+    assert sum(u > 1e-3 for u in jax.tree.leaves(update)) >= 20, update
     for mesh in [(2, 4), (8, 1)]:
         diff = jax.tree.leaves(jax.tree.map(lambda a, b: a - b, weights[mesh], one))
         norm = np.sqrt(sum(np.sum(d ** 2) for d in diff) / sum(np.sum(b ** 2) for b in jax.tree.leaves(one)))
         assert norm <= 1e-4, (mesh, norm)
-        # Leaf by leaf, a gradient that cancels over the batch (the level logits' at init)
-        # has a large relative rounding error, which AdamW's g/√v turns into up to an
-        # lr-sized step: the per-leaf bound is looser.
-        rel = jax.tree.map(lambda a, b: np.abs(a - b).max() / max(np.abs(b).max(), 1e-12), weights[mesh], one)
-        worst = max(jax.tree.leaves(rel))
-        assert worst <= 2e-3, (mesh, worst)
+        # Leaf by leaf, against that leaf's own update: measured up to 6e-4 of it (the MoE's
+        # low-rank factors, whose gradients sum the most rows); a leaf left alone (update 0)
+        # must be left alone on every mesh.
+        def check(path, a, b, u):
+            assert np.abs(a - b).max() <= 5e-3 * u, (mesh, jax.tree_util.keystr(path), np.abs(a - b).max(), u)
+
+        jax.tree_util.tree_map_with_path(check, weights[mesh], one, update)
 
 
 @pytest.mark.devices(8)
