@@ -667,3 +667,10 @@ def test_parameters_the_loss_does_not_reach_are_left_alone_and_old_opt_states_re
         old_leaves = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(getattr(old_adam, name))[0]}
         for p, x in jax.tree_util.tree_flatten_with_path(getattr(new_adam, name))[0]:
             np.testing.assert_array_equal(np.asarray(x), np.asarray(old_leaves[jax.tree_util.keystr(p)]))
+
+    # Resuming a masked run with a config that steps more than it did is refused (no moments to resume).
+    masked = cfg.to_dict()
+    assert plan_lib.moments_lacking(masked, cfg) == []
+    assert set(plan_lib.moments_lacking(masked, old_cfg)) == heads | feat
+    assert plan_lib.moments_lacking({k: v for k, v in masked.items() if k != "step_unreached"}, old_cfg) == []
+    assert plan_lib.moments_lacking(old_cfg.to_dict(), cfg) == []
