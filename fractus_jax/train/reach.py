@@ -86,10 +86,18 @@ def reached(fn, params, *args):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), flags)
 
 
-@functools.lru_cache(maxsize=8)
+# The fields `step._loss` reads: configs equal in these share one analysis.
+LOSS_FIELDS = ("batch_size", "seq_len", "feats", "lb_coef", "repeat_coef", "ce_chunk", "bptt_chunks")
+
+
 def loss_reach(cfg: TrainConfig):
     """reached() of the trainer's loss (`step._loss`, as the step calls it for cfg), on the
     abstract parameters of cfg's model: a tree of bools like the parameters."""
+    return _loss_reach(TrainConfig(model=cfg.model, **{k: getattr(cfg, k) for k in LOSS_FIELDS}))
+
+
+@functools.lru_cache(maxsize=16)
+def _loss_reach(cfg: TrainConfig):
     from fractus_jax.train import step   # step imports the optimizer, which asks this module
 
     abstract = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.PRNGKey(0)))
