@@ -616,3 +616,61 @@ def test_a_resumed_run_continues_the_same_learning_rate_curve(corpus_file, tmp_p
     note = plan_lib.schedule_change_note(cfg.to_dict(), cfg_lib.apply_overrides(cfg, ["lr_floor=1e-4"]), 6)
     assert "lr_floor 0.0003 -> 0.0001" in note and "step 6" in note
     assert plan_lib.schedule_change_note({"lr": cfg.lr, "warmup_steps": cfg.warmup_steps}, tiny(corpus_file), 6) is None
+
+
+def _unreached(tree) -> set[str]:
+    return {jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0] if not v}
+
+
+def test_parameters_the_loss_does_not_reach_are_left_alone_and_old_opt_states_resume(corpus_file, tmp_path):
+    """The mask is the loss's own reach (no names): the heads, atom_feat without features
+    and the buffers get no update, no decay and no moments; features make atom_feat
+    trained; step_unreached steps them all, in the layout of checkpoints written before
+    the mask, which restore into the masked layout."""
+    from fractus_jax.train import reach
+
+    cfg = tiny(corpus_file)
+    heads = {f"['{h}']['{w}']" for h in ("confidence_head", "salience_head") for w in ("weight", "bias")}
+    buffers = {"['blocks']['attn']['level_offsets']", "['blocks']['moe']['expert_phases']"}
+    feat = {"['atom_feat']['weight']", "['atom_feat']['bias']"}
+    assert _unreached(reach.loss_reach(cfg)) == heads | buffers | feat
+    assert _unreached(reach.loss_reach(cfg_lib.apply_overrides(cfg, ["feats=true"]))) == heads | buffers
+
+    mesh = sharding.make_mesh()
+    state, shardings = state_lib.create_train_state(cfg, mesh, jax.random.PRNGKey(0))
+    params = jax.tree.map(lambda p: p + 0.1, state["params"])   # nonzero everywhere: weight decay would show
+    state = {**state, "params": params}
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)   # even the unreached: still left alone
+    new_params, opt_state, _, _ = step_lib._apply(state_lib.make_optimizer(cfg, params), params,
+                                                  state["opt_state"], grads, 3e-3)
+    moved = {jax.tree_util.keystr(p) for p, a, b in zip(
+        *zip(*jax.tree_util.tree_flatten_with_path(params)[0]), jax.tree.leaves(new_params)) if not np.array_equal(a, b)}
+    all_leaves = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    assert moved == all_leaves - heads - buffers - feat
+    mu = opt_state.inner_states["train"].inner_state[1][0].mu
+    assert {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(mu)[0]} == moved
+
+    old_cfg = cfg_lib.apply_overrides(cfg, ["step_unreached=true"])
+    old = state_lib.make_optimizer(old_cfg, params)
+    old_params, old_opt, _, _ = step_lib._apply(old, params, old.init(params), grads, 3e-3)
+    assert not np.array_equal(old_params["confidence_head"]["weight"], params["confidence_head"]["weight"])
+    ckpt = ckpt_lib.RunCheckpointer(tmp_path / "run", log=lambda m: None)
+    ckpt.save({**state, "params": old_params, "opt_state": old_opt}, {"step": 1})
+    ckpt.close()
+    restored, _ = ckpt_lib.RunCheckpointer(tmp_path / "run", read_only=True).restore(
+        ckpt_lib.abstract_with_shardings(state_lib.abstract_train_state(cfg), shardings), 1)
+    old_adam = old_opt.inner_states["train"].inner_state[1][0]
+    new_adam = restored["opt_state"].inner_states["train"].inner_state[1][0]
+    assert jax.tree.structure(restored["opt_state"]) == jax.tree.structure(opt_state)
+    assert int(new_adam.count) == int(old_adam.count) == 1
+    for name in ("mu", "nu"):
+        old_leaves = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(getattr(old_adam, name))[0]}
+        for p, x in jax.tree_util.tree_flatten_with_path(getattr(new_adam, name))[0]:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(old_leaves[jax.tree_util.keystr(p)]))
+
+    # Resuming a masked run with a config that steps more than it did is refused (no moments to resume).
+    masked = cfg.to_dict()
+    assert plan_lib.moments_lacking(masked, cfg) == []
+    assert set(plan_lib.moments_lacking(masked, old_cfg)) == heads | feat
+    assert plan_lib.moments_lacking({k: v for k, v in masked.items() if k != "step_unreached"}, old_cfg) == []
+    assert plan_lib.moments_lacking(old_cfg.to_dict(), cfg) == []

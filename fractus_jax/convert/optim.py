@@ -79,6 +79,15 @@ def _tree_to_names(tree, params, cfg: EngineConfig) -> dict[str, np.ndarray]:
     return convert.params_to_torch(full, cfg)
 
 
+def _stepped(tree, params, cfg: EngineConfig) -> set[str]:
+    """The PyTorch names whose moments `tree` holds (not a MaskedNode: the parameters the
+    trainer steps; the ones the loss does not reach have none, as in PyTorch)."""
+    held = {_path_keys(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    flags = jax.tree_util.tree_map_with_path(
+        lambda p, x: np.full(x.shape, _path_keys(p) in held), params)
+    return {name for name, f in convert.params_to_torch(flags, cfg).items() if f.all()}
+
+
 def _names_to_tree(by_name: dict[str, np.ndarray], template, cfg: EngineConfig):
     """PyTorch name → array (trainable names only) → a moment tree shaped like template."""
     shapes = convert.expected_shapes(cfg)
@@ -128,20 +137,23 @@ def _param_groups(cfg: TrainConfig, step: int) -> list[dict]:
 
 
 def optimizer_to_torch(opt_state, params, cfg: TrainConfig, step: int) -> dict:
-    """The trainer's optimizer state → a PyTorch AdamW/SGD state dict (torch tensors)."""
+    """The trainer's optimizer state → a PyTorch AdamW/SGD state dict (torch tensors). A
+    parameter the trainer does not step (no moments) has no entry, as a PyTorch optimizer
+    keeps none for a parameter that never had a gradient."""
     node = find_moments(opt_state)
-    order = [n for n, _ in torch_parameters(cfg.model)]
+    stepped = _stepped(node.mu if isinstance(node, optax.ScaleByAdamState) else node.trace, params, cfg.model)
+    order = [(i, n) for i, (n, _) in enumerate(torch_parameters(cfg.model)) if n in stepped]
     tensor = lambda a: torch.from_numpy(np.array(a, copy=True, order="C"))  # noqa: E731
     state = {}
     if isinstance(node, optax.ScaleByAdamState):
         mu, nu = _tree_to_names(node.mu, params, cfg.model), _tree_to_names(node.nu, params, cfg.model)
         count = float(np.asarray(node.count))
-        for i, name in enumerate(order):
+        for i, name in order:
             state[i] = {"step": torch.tensor(count, dtype=torch.float32),
                         "exp_avg": tensor(mu[name]), "exp_avg_sq": tensor(nu[name])}
     else:
         trace = _tree_to_names(node.trace, params, cfg.model)
-        for i, name in enumerate(order):
+        for i, name in order:
             state[i] = {"momentum_buffer": tensor(trace[name])}
     return {"state": state, "param_groups": _param_groups(cfg, step)}
 
@@ -210,10 +222,17 @@ def optimizer_from_torch(opt_sd: dict, opt_state_template, params, cfg: TrainCon
             steps.add(float(convert._to_numpy(entry["step"])))
     if problems:
         raise ConversionError(f"{path}: wrong shapes: " + "; ".join(problems))
-    if empty and len(empty) < len(order):
+    node = find_moments(opt_state_template)
+    stepped = _stepped(node.mu if kind == "adamw" else node.trace, params, cfg.model)
+    empty = [name for name in empty if name in stepped]
+    dropped = [name for name in moments[slots[0]] if name not in stepped]
+    if dropped:
+        warn(f"{path}: moments for {len(dropped)} parameters the training loss does not reach "
+             f"({', '.join(dropped[:6])}{', ...' if len(dropped) > 6 else ''}) are dropped: the trainer "
+             "leaves them alone (--set step_unreached=true keeps and steps them)")
+    if empty and len(empty) < len(stepped):
         warn(f"{path}: no moments for {len(empty)} parameters ({', '.join(empty[:6])}"
              f"{', ...' if len(empty) > 6 else ''}); they start at zero")
-    node = find_moments(opt_state_template)
     if kind == "adamw":
         if len(steps) > 1:
             warn(f"{path}: the parameters' step counts differ ({sorted(steps)}); using the largest")

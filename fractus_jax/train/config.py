@@ -58,6 +58,7 @@ class TrainConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     clip_norm: float = 1.0
+    step_unreached: bool = False      # also step parameters the loss does not reach (decay, moments); off as in PyTorch
     accum: int = 1                    # consecutive chunks per update, the carry flowing through
     bptt_chunks: int = 1              # the gradient flows through the carry across this many of them (1: detached)
     carry_reset_every: int = 0        # every row's carry reset to the initial one on multiples of this step (0: never)

@@ -339,9 +339,37 @@ def check_resume(cfg: TrainConfig, workdir: Path, manifest: dict) -> None:
         raise TrainError(f"{workdir}: val_fraction was {was:g}{before} and is now {cfg.val_fraction:g}; the lanes "
                          f"would change (keep val_fraction={was:g}, with eval_every=0 or a held-out "
                          "file to score: val_corpus=FILE)")
+    lacking = moments_lacking(old, cfg)
+    if lacking:
+        raise TrainError(f"{workdir}: the optimizer would now step {', '.join(lacking[:4])}"
+                         f"{', ...' if len(lacking) > 4 else ''}, which the checkpoint's run left alone (the loss "
+                         f"did not reach them) and holds no moments for; keep "
+                         + ", ".join(f"{k}={old[k]}" for k in LOSS_REACH_FIELDS if k in old and old[k] != getattr(cfg, k)))
     if cfg.start_token == 0:
         raise TrainError(f"{workdir} has a checkpoint at step {manifest['step']}: start_token=0 would restart "
                          f"the data; drop it to resume at {manifest['start_token_next']}")
+
+
+LOSS_REACH_FIELDS = ("step_unreached", "feats", "lb_coef", "repeat_coef", "bptt_chunks")
+
+
+def moments_lacking(old: dict, cfg: TrainConfig) -> list[str]:
+    """The parameters cfg's optimizer steps that the checkpoint's (config dict `old`) left
+    alone, so that its optimizer state holds no moments for them. A checkpoint from before
+    unreached parameters were left alone (no step_unreached in its config) has moments for
+    every parameter: none lacking."""
+    if "step_unreached" not in old:
+        return []
+    was = dataclasses.replace(cfg, **{k: old[k] for k in LOSS_REACH_FIELDS if k in old})
+    if was == cfg:
+        return []
+    from fractus_jax import model
+    from fractus_jax.train import state as state_lib
+
+    abstract = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.PRNGKey(0)))
+    now, then = state_lib.optimizer_labels(cfg, abstract), state_lib.optimizer_labels(was, abstract)
+    return [jax.tree_util.keystr(p) for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(now)[0],
+                                                          jax.tree.leaves(then)) if a == "train" and b != "train"]
 
 
 SCHEDULE_FIELDS = ("lr", "warmup_steps", "lr_schedule", "lr_floor", "decay_steps")

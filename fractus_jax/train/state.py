@@ -44,21 +44,38 @@ def learning_rate(cfg: TrainConfig, step):
     return lr_schedule(cfg)(step)
 
 
-def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
+def optimizer_labels(cfg: TrainConfig, params, step_unreached=None):
+    """"train" for the parameters the optimizer steps, "frozen" for those it leaves alone.
+
+    Frozen: the buffers (level offsets, expert phases: not parameters in PyTorch), and the
+    parameters the training loss does not reach (`reach.loss_reach`, derived from the loss
+    itself: the confidence and salience heads, `atom_feat` when no features are fed), as
+    PyTorch's optimizers skip a parameter whose .grad is None. A loss that reaches a leaf
+    trains it; cfg.step_unreached (or the argument) steps every parameter, as runs before
+    this did (weight decay and moments on the unreached ones too)."""
+    step_unreached = cfg.step_unreached if step_unreached is None else step_unreached
+    trainable = model.trainable_mask(params)
+    if not step_unreached:
+        from fractus_jax.train import reach   # reach imports the step, which imports this module
+        trainable = jax.tree.map(lambda t, r: t and r, trainable, reach.loss_reach(cfg))
+    return jax.tree.map(lambda t: "train" if t else "frozen", trainable)
+
+
+def make_optimizer(cfg: TrainConfig, params, step_unreached=None) -> optax.GradientTransformation:
     """The update direction at unit learning rate; the step scales it by learning_rate().
 
     The schedule follows the trainer's step, not the optimizer's update count, so a
     scheduled-sampling step (two updates) does not warm up twice as fast. Unit-rate AdamW
     times lr is exactly AdamW at lr (weight decay included), likewise SGD with momentum.
+    The "frozen" leaves (`optimizer_labels`) get a zero update, no decay and no moments
+    (their moment leaves are optax.MaskedNode).
     """
     if cfg.optimizer == "adamw":
         inner = optax.adamw(1.0, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
     else:
         inner = optax.sgd(1.0, momentum=cfg.momentum)
     train = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), inner)
-    labels = jax.tree.map(lambda trainable: "train" if trainable else "frozen", model.trainable_mask(params))
-    # Buffers (level offsets, expert phases) are weights the optimizer must not touch,
-    # not even through weight decay.
+    labels = optimizer_labels(cfg, params, step_unreached)
     return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, labels)
 
 
