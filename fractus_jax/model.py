@@ -270,7 +270,7 @@ def _qkv_features_bwd(n_heads, mm_dtype, residuals, cotangents):
     dx = (d_mm @ w.T).astype(x_BxCxD.dtype)
     # float32 sums (and float32 partial sums across devices) for the weight's gradient
     dw = jnp.einsum("bcd,bce->de", x_BxCxD.astype(mm_dtype), d_mm,
-                    preferred_element_type=jnp.float32).astype(w_Dx3xD.dtype)
+                    preferred_element_type=jnp.promote_types(mm_dtype, jnp.float32)).astype(w_Dx3xD.dtype)
     db = d_BxCx3D.sum((0, 1)).reshape(3, D)
     return dx, dw.reshape(D, 3, D), db.astype(b_3xD.dtype), jnp.zeros_like(offsets)
 

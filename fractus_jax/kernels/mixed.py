@@ -19,6 +19,11 @@ import jax
 import jax.numpy as jnp
 
 
+def _acc(dtype):
+    """The sums' dtype: float32, or float64 for float64 operands."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _specs(spec: str) -> tuple[str, str, str]:
     ins, out = spec.replace(" ", "").split("->")
     a, b = ins.split(",")
@@ -41,12 +46,12 @@ def einsum(spec: str, x, w, dtype, out_dtype=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _mixed(spec, dtype, out_dtype, x, w):
-    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=_acc(dtype)).astype(out_dtype)
 
 
 def _mixed_fwd(spec, dtype, out_dtype, x, w):
     x_c, w_c = x.astype(dtype), w.astype(dtype)
-    y = jnp.einsum(spec, x_c, w_c, preferred_element_type=jnp.float32).astype(out_dtype)
+    y = jnp.einsum(spec, x_c, w_c, preferred_element_type=_acc(dtype)).astype(out_dtype)
     # the primal dtypes ride along as empty arrays
     return y, (x_c, w_c, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
@@ -55,8 +60,8 @@ def _mixed_bwd(spec, dtype, out_dtype, residuals, g):
     x_c, w_c, x_like, w_like = residuals
     a, b, out = _specs(spec)
     g_c = g.astype(dtype)
-    dx = jnp.einsum(f"{out},{b}->{a}", g_c, w_c, preferred_element_type=jnp.float32).astype(x_like.dtype)
-    dw = jnp.einsum(f"{a},{out}->{b}", x_c, g_c, preferred_element_type=jnp.float32).astype(w_like.dtype)
+    dx = jnp.einsum(f"{out},{b}->{a}", g_c, w_c, preferred_element_type=_acc(dtype)).astype(x_like.dtype)
+    dw = jnp.einsum(f"{a},{out}->{b}", x_c, g_c, preferred_element_type=_acc(dtype)).astype(w_like.dtype)
     return dx, dw
 
 
