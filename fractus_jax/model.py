@@ -24,6 +24,7 @@ from fractus_jax.config import EngineConfig
 from fractus_jax.dtypes import accum_dtype
 from fractus_jax.kernels import attention as attn_k
 from fractus_jax.kernels import kuramoto as kur_k
+from fractus_jax.kernels import mixed
 from fractus_jax.kernels import moe as moe_k
 from fractus_jax.kernels import select
 
@@ -213,8 +214,10 @@ def _heads(t_BxCxD, n_heads):
 def _project_qkv(x_BxCxD, w_Dx3xD, b_3xD, mm_dtype):
     B, C, D = x_BxCxD.shape
     # One (D, 3D) matmul rather than three: w[:, j] is (D_in, D_out).
-    w = w_Dx3xD.reshape(D, 3 * D).astype(mm_dtype)
-    return (x_BxCxD.astype(mm_dtype) @ w).astype(x_BxCxD.dtype) + b_3xD.reshape(3 * D)
+    w = w_Dx3xD.reshape(D, 3 * D)
+    if jnp.dtype(mm_dtype) == w.dtype:
+        return (x_BxCxD.astype(mm_dtype) @ w).astype(x_BxCxD.dtype) + b_3xD.reshape(3 * D)
+    return mixed.einsum("bcd,de->bce", x_BxCxD, w, mm_dtype, x_BxCxD.dtype) + b_3xD.reshape(3 * D)
 
 
 def _qkv_heads(x_BxCxD, w_Dx3xD, b_3xD, n_heads, mm_dtype):
@@ -265,7 +268,9 @@ def _qkv_features_bwd(n_heads, mm_dtype, residuals, cotangents):
     d_mm = d_BxCx3D.astype(mm_dtype)
     w = w_Dx3xD.reshape(D, 3 * D).astype(mm_dtype)
     dx = (d_mm @ w.T).astype(x_BxCxD.dtype)
-    dw = jnp.einsum("bcd,bce->de", x_BxCxD.astype(mm_dtype), d_mm).astype(w_Dx3xD.dtype)
+    # float32 sums (and float32 partial sums across devices) for the weight's gradient
+    dw = jnp.einsum("bcd,bce->de", x_BxCxD.astype(mm_dtype), d_mm,
+                    preferred_element_type=jnp.promote_types(mm_dtype, jnp.float32)).astype(w_Dx3xD.dtype)
     db = d_BxCx3D.sum((0, 1)).reshape(3, D)
     return dx, dw.reshape(D, 3, D), db.astype(b_3xD.dtype), jnp.zeros_like(offsets)
 
@@ -305,7 +310,7 @@ def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, mm_
         a = jnp.einsum("l,lbhcd->bhcd", mix, y)
         new_S, new_z = S_l.mean(0), z_l.mean(0)
     a = a.transpose(0, 2, 1, 3).reshape(B, C, H * dH)
-    out = jnp.einsum("bcd,de->bce", a.astype(mm_dtype), p["w_out"].astype(mm_dtype)).astype(acc)
+    out = mixed.einsum("bcd,de->bce", a, p["w_out"], mm_dtype, acc)
     return out + p["b_out"], new_S, new_z
 
 
@@ -338,7 +343,9 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, mm_dtype):
             raise ValueError(f"batch {B} is not a multiple of moe_group_rows={rows}")
         n_groups = B // rows
     T = B // n_groups * C
-    factors = {k: (v.astype(mm_dtype) if k != "expert_phases" else v) for k, v in p.items()}
+    # The factors stay float32 (kernels/moe.py rounds them to the rows' dtype where they
+    # multiply, keeping their gradients' sums float32).
+    factors = dict(p)
     x_GxTxD = x_BxCxD.reshape(n_groups, T, D).astype(mm_dtype)
     idx_GxTxK, w_GxTxK = idx.reshape(n_groups, T, K), w.reshape(n_groups, T, K).astype(mm_dtype)
     if cfg.capacity_factor is None:

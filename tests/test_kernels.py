@@ -7,6 +7,7 @@ from jax.test_util import check_grads
 
 from fractus_jax.kernels import attention as A
 from fractus_jax.kernels import kuramoto as K
+from fractus_jax.kernels import mixed
 from fractus_jax.kernels import moe as M
 from fractus_jax.kernels.loss import chunked_cross_entropy
 from fractus_jax.kernels.trig import sincos
@@ -288,3 +289,26 @@ def test_layer_norm_backward_is_the_gradient_of_its_definition(cpu_tuned):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
     check_grads(lambda x, w, b: layer_norm(x, {"weight": w, "bias": b}, 1e-5, cpu_tuned),
                 (x, p["weight"], p["bias"]), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+
+
+def test_bfloat16_products_give_float32_weight_gradients_summed_in_float32():
+    """kernels/mixed.py: operands rounded to bfloat16, float32 sums; the weight's gradient is
+    a float32-output product (no bfloat16 dot in the backward), equal to the float32 product
+    of the rounded activations and cotangent."""
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(kx, (3, 40, 8), jnp.float32)
+    w = jax.random.normal(kw, (8, 6), jnp.float32)
+    g = jax.random.normal(kg, (3, 40, 6), jnp.float32)
+    bf = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    f = lambda x, w: jnp.sum(mixed.einsum("bcd,de->bce", x, w, jnp.bfloat16, jnp.float32) * g)  # noqa: E731
+    np.testing.assert_allclose(f(x, w), jnp.sum(jnp.einsum("bcd,de->bce", bf(x), bf(w)) * g), rtol=1e-5)
+    dx, dw = jax.grad(f, (0, 1))(x, w)
+    assert dx.dtype == dw.dtype == jnp.float32
+    np.testing.assert_allclose(dw, jnp.einsum("bcd,bce->de", bf(x), bf(g)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, jnp.einsum("bce,de->bcd", bf(g), bf(w)), rtol=1e-5, atol=1e-5)
+    dots = [e for e in jax.make_jaxpr(jax.grad(f, 1))(x, w).jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
+    # float32 compute is the plain product, and a summed-within-one-operand index is refused
+    np.testing.assert_array_equal(mixed.einsum("bcd,de->bce", x, w, jnp.float32), jnp.einsum("bcd,de->bce", x, w))
+    with pytest.raises(ValueError, match="transpose"):
+        mixed.einsum("bcd,df->bc", x, w, jnp.bfloat16)

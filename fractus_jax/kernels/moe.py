@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fractus_jax.kernels import mixed
 from fractus_jax.kernels.trig import sin_cos
 
 _GATE_FLOOR = 1e-10
@@ -83,14 +84,15 @@ def gelu_tanh(u):
     return 0.5 * u * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * u ** 3)))
 
 
-def rows_down(x_ExNxA, w_ExAxR):
-    """x[e] · w[e]: each expert's rows onto its rank-r factor, (E, N, r)."""
-    return jnp.einsum("ena,ear->enr", x_ExNxA, w_ExAxR)
+def rows_down(x_ExNxA, w_ExAxR, out_dtype=None):
+    """x[e] · w[e]: each expert's rows onto its rank-r factor, (E, N, r), in the rows'
+    dtype with float32 sums (kernels/mixed.py; the factor's gradient float32 too)."""
+    return mixed.einsum("ena,ear->enr", x_ExNxA, w_ExAxR, x_ExNxA.dtype, out_dtype)
 
 
-def rows_up(h_ExNxR, w_ExAxR):
+def rows_up(h_ExNxR, w_ExAxR, out_dtype=None):
     """h[e] · w[e]ᵀ: each expert's rank-r rows back up through its factor, (E, N, A)."""
-    return jnp.einsum("enr,ear->ena", h_ExNxR, w_ExAxR)
+    return mixed.einsum("enr,ear->ena", h_ExNxR, w_ExAxR, h_ExNxR.dtype, out_dtype)
 
 
 def experts_apply(x_ExNxD, f):
@@ -103,10 +105,20 @@ def experts_apply(x_ExNxD, f):
     """
     U1 = f["scale1"] * f["U1"]
     U2 = f["scale2"] * f["U2"]
+    dt = x_ExNxD.dtype
+    if dt == f["U1"].dtype:   # the factors in the rows' dtype (float32, float64): the plain products
+        h = rows_down(x_ExNxD, f["V1"])
+        u = gelu_tanh(rows_up(h, U1) + f["b1"][:, None, :])
+        h = rows_down(u, f["V2"])
+        return rows_up(h, U2) + f["b2"][:, None, :]
+    # Rows in a low-precision dtype (bfloat16), factors float32: each product rounds its
+    # operands to the rows' dtype and sums in float32; the biases and gelu run in float32,
+    # so that every factor's gradient, biases included, is a float32 sum over the rows.
+    acc = f["U1"].dtype
     h = rows_down(x_ExNxD, f["V1"])
-    u = gelu_tanh(rows_up(h, U1) + f["b1"][:, None, :])
+    u = gelu_tanh(rows_up(h, U1, acc) + f["b1"][:, None, :]).astype(dt)
     h = rows_down(u, f["V2"])
-    return rows_up(h, U2) + f["b2"][:, None, :]
+    return (rows_up(h, U2, acc) + f["b2"][:, None, :]).astype(dt)
 
 
 def moe_exact(x_TxD, idx_TxK, w_TxK, f):
