@@ -27,7 +27,7 @@ from typing import Callable, Optional
 HEARTBEAT_SECONDS = 2.0        # each process writes its counter this often
 PEER_TIMEOUT_SECONDS = 30.0    # a counter unmoved (or a store unanswering) this long: the peer is lost
 # The bound stated to users (docs/training.md, "Faults and recovery"): the timeout, one
-# heartbeat missed at most, one tick of the judge, and the message.
+# heartbeat (a peer's last counter is seen up to one late), one tick of the judge, the message.
 PEER_LOST_BOUND_SECONDS = 35
 EXIT_PEER_LOST = 3             # the exit status of a survivor
 # jax.distributed's own heartbeat timeout (its default: 100 s), after which its service
