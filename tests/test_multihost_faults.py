@@ -51,10 +51,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(workdir, corpus_file, overrides, hooks=None):
-    """The two processes, started. hooks: {process: dict(offset=, rate=, sigterm_after=)}."""
+def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=True):
+    """The two processes, started. hooks: {process: dict(offset=, rate=, sigterm_after=)}.
+    logs: a directory for their stderr (err0.txt, err1.txt; otherwise pipes, to be read
+    while they run). cache=False: no persistent compilation cache (one process finding its
+    step there and the other compiling it would leave the first waiting in the first
+    collective, which gives up after 30 s)."""
     hooks = hooks or {}
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if not cache:
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     port = _free_port()
     sets = [f"--set={o}" for o in [f"corpus={corpus_file}", *RUN, *overrides]]
     procs = []
@@ -64,13 +70,14 @@ def start(workdir, corpus_file, overrides, hooks=None):
             [sys.executable, "-c", HOOK.format(**hook), "--no-progress", "--config", "tiny",
              "--workdir", str(workdir), *sets, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
              "--process-id", str(i), "--local-devices", "4"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            cwd=ROOT, env=env, stdout=subprocess.PIPE if logs is None else subprocess.DEVNULL,
+            stderr=subprocess.PIPE if logs is None else open(Path(logs) / f"err{i}.txt", "w"), text=True))
     return procs
 
 
-def launch(workdir, corpus_file, overrides, hooks=None, timeout=400):
+def launch(workdir, corpus_file, overrides, hooks=None, timeout=400, cache=True):
     """Both processes' stderr; each must exit 0. hooks: {process: dict(offset=, rate=, sigterm_after=)}."""
-    procs = start(workdir, corpus_file, overrides, hooks)
+    procs = start(workdir, corpus_file, overrides, hooks, cache=cache)
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -160,17 +167,20 @@ def test_a_peer_killed_ends_the_other_in_bounded_time_naming_it_and_the_step_to_
 
     dead = 1
     run = tmp_path / "run"
-    procs = start(run, corpus_file, ["max_steps=100000", "save_every=2"])
+    procs = start(run, corpus_file, ["max_steps=100000", "save_every=2"], logs=tmp_path, cache=False)
+    logs = [tmp_path / f"err{i}.txt" for i in range(2)]
     try:
         t0 = time.time()
         while (ckpt_lib.read_manifest(run) or {}).get("step", 0) < 2:   # a step committed
-            assert time.time() - t0 < 400 and all(p.poll() is None for p in procs), procs[0].stderr.read()[-3000:]
+            assert time.time() - t0 < 400 and all(p.poll() is None for p in procs), \
+                logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
             time.sleep(0.2)
         procs[dead].kill()   # SIGKILL
         killed = time.time()
         survivor = procs[1 - dead]
-        _, err = survivor.communicate(timeout=peers.PEER_LOST_BOUND_SECONDS + 60)
+        survivor.wait(timeout=peers.PEER_LOST_BOUND_SECONDS + 60)
         took = time.time() - killed
+        err = logs[1 - dead].read_text()
     finally:
         for p in procs:
             p.kill()
@@ -185,5 +195,5 @@ def test_a_peer_killed_ends_the_other_in_bounded_time_naming_it_and_the_step_to_
     assert f"--workdir {run}" in last and f"--process-id {1 - dead}" in last and "fractus_jax.train" in last, last
     assert "Traceback" not in err, err[-3000:]
     # Both restarted resume from that step (max_steps there: nothing more to compile).
-    errs = launch(run, corpus_file, [f"max_steps={step}", "save_every=2"])
+    errs = launch(run, corpus_file, [f"max_steps={step}", "save_every=2"], cache=False)
     assert f"resumed {run} at step {step}" in errs[0], errs[0][-2000:]

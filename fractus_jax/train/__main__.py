@@ -54,12 +54,14 @@ def start_watchdog(args, argv):
     (peers.py); None in a one-process run."""
     if jax.process_count() == 1:
         return None
-    return peers.Watchdog(policy.runtime_client(), jax.process_index(), jax.process_count(),
-                          lambda process, seconds: peer_lost_line(args, argv, process, seconds)).start()
+    index, count = jax.process_index(), jax.process_count()   # not asked of JAX again once a peer is gone
+    return peers.Watchdog(policy.runtime_client(), index, count,
+                          lambda process, seconds: peer_lost_line(args, argv, process, seconds, index, count)).start()
 
 
-def peer_lost_line(args, argv, process: int, seconds: float) -> str:
-    """The last line of a process whose peer died: who, the last committed step, the command."""
+def peer_lost_line(args, argv, process: int, seconds: float, index: int, count: int) -> str:
+    """The last line of process `index` when process `process` died: who, the last
+    committed step, the command."""
     workdir = Path(args.workdir)
     who = f"process {process}" + (" (it holds the coordination service)" if process == 0 else "")
     try:
@@ -72,9 +74,9 @@ def peer_lost_line(args, argv, process: int, seconds: float) -> str:
         step = int(manifest["step"])
         where = f"{step} ({workdir / manifest.get('checkpoint', f'checkpoints/{step}')})"
     command = shlex.join(["python", "-m", "fractus_jax.train", *argv])
-    return (f"error: {who} stopped answering (silent for {seconds:.0f} s); this process {jax.process_index()} "
+    return (f"error: {who} stopped answering (silent for {seconds:.0f} s); this process {index} "
             f"stops too (exit {peers.EXIT_PEER_LOST}). Last committed step: {where}. Resume them all by "
-            f"starting all {jax.process_count()} processes again with their same commands; this one's: {command}")
+            f"starting all {count} processes again with their same commands; this one's: {command}")
 
 
 def main(argv=None) -> int:

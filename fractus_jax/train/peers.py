@@ -54,6 +54,7 @@ class Watchdog:
         now = clock()
         self.last_ok = now                                  # the store's last answer
         self.seen = {i: (None, now) for i in range(process_count) if i != process_index}  # value, since
+        self.changes = {i: 0 for i in self.seen}            # the values seen change this many times
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = []
@@ -85,6 +86,7 @@ class Watchdog:
                 i = int(key.rstrip("/").rsplit("/", 1)[1])
                 if i in self.seen and self.seen[i][0] != value:
                     self.seen[i] = (value, now)
+                    self.changes[i] += 1
 
     # The judge's thread: never blocks on the store.
     def _judge_loop(self) -> None:
@@ -121,14 +123,15 @@ class Watchdog:
         self.exit(EXIT_PEER_LOST)
 
     def settle(self) -> None:
-        """After this process's run failed: return once every peer has beaten since (it lives:
-        the failure was not a peer's death), or never, when the judge ends the process first."""
+        """After this process's run failed: return once every peer has beaten twice since (it
+        lives: the failure was not a peer's death; a dead peer's last beat may be read once
+        after its death), or never, when the judge ends the process first."""
         start = self.clock()
         with self._lock:
-            before = {i: v for i, (v, _) in self.seen.items()}
-        while self.clock() - start < PEER_LOST_BOUND_SECONDS + 2 * HEARTBEAT_SECONDS:
+            before = dict(self.changes)
+        while self.clock() - start < PEER_LOST_BOUND_SECONDS + 3 * HEARTBEAT_SECONDS:
             with self._lock:
-                if all(v == DONE or v != before[i] for i, (v, _) in self.seen.items()):
+                if all(v == DONE or self.changes[i] >= before[i] + 2 for i, (v, _) in self.seen.items()):
                     return
             time.sleep(0.2)
 
