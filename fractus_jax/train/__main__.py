@@ -55,8 +55,10 @@ def start_watchdog(args, argv):
     if jax.process_count() == 1:
         return None
     index, count = jax.process_index(), jax.process_count()   # not asked of JAX again once a peer is gone
-    return peers.Watchdog(policy.runtime_client(), index, count,
-                          lambda process, seconds: peer_lost_line(args, argv, process, seconds, index, count)).start()
+    dog = peers.Watchdog(policy.runtime_client(), index, count,
+                         lambda process, seconds: peer_lost_line(args, argv, process, seconds, index, count)).start()
+    dog.hold_aborts()
+    return dog
 
 
 def peer_lost_line(args, argv, process: int, seconds: float, index: int, count: int) -> str:

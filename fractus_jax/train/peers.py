@@ -19,6 +19,7 @@ on a signal) says so and is never taken for dead.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -65,6 +66,24 @@ class Watchdog:
             t.start()
             self._threads.append(t)
         return self
+
+    def hold_aborts(self) -> None:
+        """JAX's client aborts the process (a C++ check failure, SIGABRT: exit 134 and a stack
+        trace) the moment it finds the coordination service gone (process 0 died) or told of
+        a fault. The aborting thread is held while the watchdog judges: a peer lost, and the
+        watchdog ends the process with its line and EXIT_PEER_LOST; every peer alive (the
+        abort was not a death), and the abort goes on."""
+        import ctypes
+
+        @ctypes.CFUNCTYPE(None, ctypes.c_int)
+        def on_abort(_signum):
+            self.settle()   # returning: abort() restores the default action and ends the process
+
+        libc = ctypes.CDLL(None)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        self._on_abort = on_abort   # kept alive with the watchdog
+        libc.signal(signal.SIGABRT, ctypes.cast(on_abort, ctypes.c_void_p))
 
     # The heartbeat thread: the only one that talks to the store (a call may hang on a lost host).
     def _beat_loop(self) -> None:
