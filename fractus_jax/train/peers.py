@@ -11,9 +11,14 @@ compared), or the store itself has not answered for as long (process 0, which ho
 service, is gone), the watchdog prints one line naming that process, the last committed
 step and the command that resumes the run, and ends this process with EXIT_PEER_LOST.
 
-A survivor ends within PEER_LOST_BOUND_SECONDS of its peer's death. Heartbeats come from the
-watchdog's threads, so a compilation or a save of any length, or a step blocked in a
-collective, never looks like a death; a process that finished (its run ended or stopped
+JAX's client aborts a process (SIGABRT) the moment it finds the service gone; the watchdog
+holds that abort while it judges (`Watchdog.hold_aborts`), and the service's own heartbeat
+timeout is raised past the bound (SERVICE_HEARTBEAT_TIMEOUT_SECONDS, given to
+jax.distributed.initialize), so a survivor ends within PEER_LOST_BOUND_SECONDS of its
+peer's death, by the watchdog's line.
+
+Heartbeats come from the watchdog's threads, so a compilation or a save of any length, or
+a step blocked in a collective, never looks like a death; a process that finished (its run ended or stopped
 on a signal) says so and is never taken for dead.
 """
 from __future__ import annotations
