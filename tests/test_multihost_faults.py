@@ -51,12 +51,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=True):
+def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=False):
     """The two processes, started. hooks: {process: dict(offset=, rate=, sigterm_after=)}.
     logs: a directory for their stderr (err0.txt, err1.txt; otherwise pipes, to be read
-    while they run). cache=False: no persistent compilation cache (one process finding its
-    step there and the other compiling it would leave the first waiting in the first
-    collective, which gives up after 30 s)."""
+    while they run). No persistent compilation cache unless cache=True: one process finding
+    its step there while the other compiles it waits in the first collective, which gives
+    up after 30 s (Gloo context initialization failed)."""
     hooks = hooks or {}
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if not cache:
@@ -75,7 +75,7 @@ def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=True):
     return procs
 
 
-def launch(workdir, corpus_file, overrides, hooks=None, timeout=400, cache=True):
+def launch(workdir, corpus_file, overrides, hooks=None, timeout=400, cache=False):
     """Both processes' stderr; each must exit 0. hooks: {process: dict(offset=, rate=, sigterm_after=)}."""
     procs = start(workdir, corpus_file, overrides, hooks, cache=cache)
     try:
@@ -167,7 +167,7 @@ def test_a_peer_killed_ends_the_other_in_bounded_time_naming_it_and_the_step_to_
     from fractus_jax.train import peers
 
     run = tmp_path / "run"
-    procs = start(run, corpus_file, ["max_steps=100000", "save_every=2"], logs=tmp_path, cache=False)
+    procs = start(run, corpus_file, ["max_steps=100000", "save_every=2"], logs=tmp_path)
     logs = [tmp_path / f"err{i}.txt" for i in range(2)]
     try:
         t0 = time.time()
@@ -195,5 +195,5 @@ def test_a_peer_killed_ends_the_other_in_bounded_time_naming_it_and_the_step_to_
     assert f"--workdir {run}" in last and f"--process-id {1 - dead}" in last and "fractus_jax.train" in last, last
     assert "Traceback" not in err, err[-3000:]
     # Both restarted resume from that step (max_steps there: nothing more to compile).
-    errs = launch(run, corpus_file, [f"max_steps={step}", "save_every=2"], cache=False)
+    errs = launch(run, corpus_file, [f"max_steps={step}", "save_every=2"])
     assert f"resumed {run} at step {step}" in errs[0], errs[0][-2000:]
