@@ -51,10 +51,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(workdir, corpus_file, overrides, hooks=None, timeout=400):
-    """Both processes' stderr; each must exit 0. hooks: {process: dict(offset=, rate=, sigterm_after=)}."""
+def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=False):
+    """The two processes, started. hooks: {process: dict(offset=, rate=, sigterm_after=)}.
+    logs: a directory for their stderr (err0.txt, err1.txt; otherwise pipes, to be read
+    while they run). No persistent compilation cache unless cache=True: one process finding
+    its step there while the other compiles it waits in the first collective, which gives
+    up after 30 s (Gloo context initialization failed)."""
     hooks = hooks or {}
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if not cache:
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     port = _free_port()
     sets = [f"--set={o}" for o in [f"corpus={corpus_file}", *RUN, *overrides]]
     procs = []
@@ -64,7 +70,14 @@ def launch(workdir, corpus_file, overrides, hooks=None, timeout=400):
             [sys.executable, "-c", HOOK.format(**hook), "--no-progress", "--config", "tiny",
              "--workdir", str(workdir), *sets, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
              "--process-id", str(i), "--local-devices", "4"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            cwd=ROOT, env=env, stdout=subprocess.PIPE if logs is None else subprocess.DEVNULL,
+            stderr=subprocess.PIPE if logs is None else open(Path(logs) / f"err{i}.txt", "w"), text=True))
+    return procs
+
+
+def launch(workdir, corpus_file, overrides, hooks=None, timeout=400, cache=False):
+    """Both processes' stderr; each must exit 0. hooks: {process: dict(offset=, rate=, sigterm_after=)}."""
+    procs = start(workdir, corpus_file, overrides, hooks, cache=cache)
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -145,3 +158,42 @@ def test_clocks_apart_both_save_the_same_steps(case, corpus_file, tmp_path):
                                   "keep_checkpoints=10"], {0: {"rate": 1000.0}})
         assert 4 in saved_steps(run) and len(saved_steps(run)) >= 2, saved_steps(run)
     assert ckpt_lib.read_manifest(run)["step"] == saved_steps(run)[-1]
+
+
+@pytest.mark.parametrize("dead", [1, 0])
+def test_a_peer_killed_ends_the_other_in_bounded_time_naming_it_and_the_step_to_resume(dead, corpus_file, tmp_path):
+    """kill -9 of one process after a committed step: process 1, or process 0 and the
+    coordination service with it."""
+    from fractus_jax.train import peers
+
+    run = tmp_path / "run"
+    procs = start(run, corpus_file, ["max_steps=100000", "save_every=2"], logs=tmp_path)
+    logs = [tmp_path / f"err{i}.txt" for i in range(2)]
+    try:
+        t0 = time.time()
+        while (ckpt_lib.read_manifest(run) or {}).get("step", 0) < 2:   # a step committed
+            assert time.time() - t0 < 400 and all(p.poll() is None for p in procs), \
+                logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+            time.sleep(0.2)
+        procs[dead].kill()   # SIGKILL
+        killed = time.time()
+        survivor = procs[1 - dead]
+        survivor.wait(timeout=peers.PEER_LOST_BOUND_SECONDS + 60)
+        took = time.time() - killed
+        err = logs[1 - dead].read_text()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    step = ckpt_lib.read_manifest(run)["step"]
+    last = err.rstrip("\n").splitlines()[-1]
+    print(f"process {1 - dead} exited {survivor.returncode} {took:.1f} s after the kill; its last line: {last}")
+    assert survivor.returncode == peers.EXIT_PEER_LOST, err[-3000:]
+    assert took <= peers.PEER_LOST_BOUND_SECONDS + 5, (took, err[-3000:])
+    assert re.match(rf"error: process {dead}\b[^;]* stopped answering", last), err[-3000:]
+    assert f"Last committed step: {step} ({run / 'checkpoints' / str(step)})" in last, last
+    assert f"--workdir {run}" in last and f"--process-id {1 - dead}" in last and "fractus_jax.train" in last, last
+    assert "Traceback" not in err, err[-3000:]
+    # Both restarted resume from that step (max_steps there: nothing more to compile).
+    errs = launch(run, corpus_file, [f"max_steps={step}", "save_every=2"])
+    assert f"resumed {run} at step {step}" in errs[0], errs[0][-2000:]

@@ -358,3 +358,59 @@ def test_a_deadline_is_unix_seconds_or_an_iso_time():
     assert policy.parse_deadline("2026-12-01T18:00+00:00") == 1796148000.0
     with pytest.raises(TrainError, match="neither unix seconds nor an ISO time"):
         policy.parse_deadline("tomorrow")
+
+
+class _Store:
+    """The coordination service's key-value store as the watchdog uses it; `down` makes it fail."""
+
+    def __init__(self):
+        self.data, self.down = {}, False
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE")
+        self.data[key] = value
+
+    def key_value_dir_get(self, prefix):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE")
+        return [(k, v) for k, v in self.data.items() if k.startswith(prefix)]
+
+
+def test_the_watchdog_names_a_silent_peer_or_process_0_when_the_store_is_silent():
+    from fractus_jax.train import peers
+
+    now = [0.0]
+    store = _Store()
+    dogs = [peers.Watchdog(store, i, 3, lambda p, s: f"lost {p}", clock=lambda: now[0]) for i in range(3)]
+
+    def tick(seconds, who=(0, 1, 2)):
+        for _ in range(int(seconds / peers.HEARTBEAT_SECONDS)):
+            now[0] += peers.HEARTBEAT_SECONDS
+            for i in who:
+                dogs[i].beat()
+
+    tick(300)   # all beat (a compilation of minutes changes nothing: the beats come from a thread)
+    assert [d.lost() for d in dogs] == [None] * 3
+    tick(peers.PEER_TIMEOUT_SECONDS + 2 * peers.HEARTBEAT_SECONDS, who=(0, 1))   # process 2 silent
+    assert dogs[0].lost()[0] == dogs[1].lost()[0] == 2
+    assert peers.PEER_TIMEOUT_SECONDS < dogs[0].lost()[1] <= peers.PEER_LOST_BOUND_SECONDS
+    dogs[2].finish()   # a process that finished is never taken for dead
+    tick(peers.HEARTBEAT_SECONDS, who=(0, 1))
+    assert dogs[0].lost() is None and dogs[1].lost() is None
+    store.down = True   # process 0 and its store gone: process 1 names process 0
+    tick(peers.PEER_TIMEOUT_SECONDS + 2 * peers.HEARTBEAT_SECONDS, who=(1,))
+    assert dogs[1].lost()[0] == 0
+
+
+def test_the_watchdog_ends_the_process_with_its_line_last(capsys):
+    from fractus_jax.train import peers
+
+    codes = []
+    dog = peers.Watchdog(_Store(), 0, 2, lambda p, s: f"error: process {p} stopped answering ({s:.0f} s)",
+                         exit=codes.append)
+    dog.end(1, 31.2)
+    assert codes == [peers.EXIT_PEER_LOST]
+    assert capsys.readouterr().err.splitlines()[-1] == "error: process 1 stopped answering (31 s)"
+    assert peers.SERVICE_HEARTBEAT_TIMEOUT_SECONDS > peers.PEER_LOST_BOUND_SECONDS >= (
+        peers.PEER_TIMEOUT_SECONDS + 2 * peers.HEARTBEAT_SECONDS + 1)

@@ -11,7 +11,7 @@ import jax
 
 from fractus_jax import hostmem
 from fractus_jax.atom.corpus import CorpusError
-from fractus_jax.train import checkpoint, config, data, loop
+from fractus_jax.train import checkpoint, config, data, loop, peers, policy
 from fractus_jax.train import plan as plan_lib
 from fractus_jax.train.errors import TrainError
 from fractus_jax.train.heldout import carry_schedule
@@ -46,14 +46,63 @@ def init_distributed(args) -> None:
         kwargs = {k: v for k, v in (("coordinator_address", args.coordinator),
                                     ("num_processes", args.num_processes),
                                     ("process_id", args.process_id)) if v is not None}
-        jax.distributed.initialize(**kwargs)
+        # the service's own abort on a lost heartbeat comes after the watchdog's end (peers.py)
+        jax.distributed.initialize(heartbeat_timeout_seconds=peers.SERVICE_HEARTBEAT_TIMEOUT_SECONDS, **kwargs)
+
+
+def start_watchdog(args, argv):
+    """In a multi-process run: the watchdog that ends this process when another one dies
+    (peers.py); None in a one-process run."""
+    if jax.process_count() == 1:
+        return None
+    index, count = jax.process_index(), jax.process_count()   # not asked of JAX again once a peer is gone
+    dog = peers.Watchdog(policy.runtime_client(), index, count,
+                         lambda process, seconds: peer_lost_line(args, argv, process, seconds, index, count)).start()
+    dog.hold_aborts()
+    return dog
+
+
+def peer_lost_line(args, argv, process: int, seconds: float, index: int, count: int) -> str:
+    """The last line of process `index` when process `process` died: who, the last
+    committed step, the command."""
+    workdir = Path(args.workdir)
+    who = f"process {process}" + (" (it holds the coordination service)" if process == 0 else "")
+    try:
+        manifest = checkpoint.read_manifest(workdir)
+    except Exception as e:   # noqa: BLE001 - the line names what it can
+        manifest, where = None, f"unknown ({e})"
+    else:
+        where = "none yet"
+    if manifest is not None:
+        step = int(manifest["step"])
+        where = f"{step} ({workdir / manifest.get('checkpoint', f'checkpoints/{step}')})"
+    command = shlex.join(["python", "-m", "fractus_jax.train", *argv])
+    return (f"error: {who} stopped answering (silent for {seconds:.0f} s); this process {index} "
+            f"stops too (exit {peers.EXIT_PEER_LOST}). Last committed step: {where}. Resume them all by "
+            f"starting all {count} processes again with their same commands; this one's: {command}")
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    user_errors = (config.ConfigError, TrainError, CorpusError, checkpoint.CheckpointError, data.DataError)
     init_distributed(args)
+    watchdog = start_watchdog(args, argv)
+    try:
+        code = train(args, argv)
+    except BaseException:
+        if watchdog is not None:
+            watchdog.settle()   # a peer's death ends the process here, with its line
+        raise
+    if watchdog is not None:
+        if code == 0:
+            watchdog.finish()
+        else:
+            watchdog.settle()
+    return code
+
+
+def train(args, argv) -> int:
+    user_errors = (config.ConfigError, TrainError, CorpusError, checkpoint.CheckpointError, data.DataError)
     lead = jax.process_index() == 0
     try:
         cfg = config.apply_overrides(config.load_config(args.config), args.overrides)

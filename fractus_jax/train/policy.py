@@ -162,11 +162,17 @@ def exchange_for_run():
 
     if jax.process_count() == 1:
         return Alone()
-    from jax._src import distributed   # the runtime's client, reached as Orbax's multihost module does
+    return KeyValueExchange(runtime_client(), jax.process_index(), jax.process_count())
+
+
+def runtime_client():
+    """jax.distributed's client of the coordination service (its key-value store), the one
+    private name of JAX the trainer reaches, as Orbax's multihost module does."""
+    from jax._src import distributed
     client = distributed.global_state.client
     if client is None:
         raise RuntimeError("a multi-process run without jax.distributed's client")
-    return KeyValueExchange(client, jax.process_index(), jax.process_count())
+    return client
 
 
 def deadline_margin(step_seconds: Optional[float], save_seconds: float) -> float:

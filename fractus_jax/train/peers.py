@@ -1,0 +1,171 @@
+"""A peer that dies: every other process of a multi-process run ends within a stated time.
+
+A process killed outright (`kill -9`, a host lost) leaves the others blocked in a
+collective or in the wait for process 0's decision, or failing in them; left to itself,
+JAX's coordination service aborts them a minute or more later with a C++ stack trace. So
+each process of a multi-process run keeps a watchdog (two daemon threads, nothing on the
+step's thread): every HEARTBEAT_SECONDS it writes a counter to the coordination service's
+key-value store and reads the others'. When a peer's counter has not moved for
+PEER_TIMEOUT_SECONDS by this process's own clock (clocks of different hosts are never
+compared), or the store itself has not answered for as long (process 0, which holds the
+service, is gone), the watchdog prints one line naming that process, the last committed
+step and the command that resumes the run, and ends this process with EXIT_PEER_LOST.
+
+JAX's client aborts a process (SIGABRT) the moment it finds the service gone; the watchdog
+holds that abort while it judges (`Watchdog.hold_aborts`), and the service's own heartbeat
+timeout is raised past the bound (SERVICE_HEARTBEAT_TIMEOUT_SECONDS, given to
+jax.distributed.initialize), so a survivor ends within PEER_LOST_BOUND_SECONDS of its
+peer's death, by the watchdog's line.
+
+Heartbeats come from the watchdog's threads, so a compilation or a save of any length, or
+a step blocked in a collective, never looks like a death; a process that finished (its run ended or stopped
+on a signal) says so and is never taken for dead.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+HEARTBEAT_SECONDS = 2.0        # each process writes its counter this often
+PEER_TIMEOUT_SECONDS = 30.0    # a counter unmoved (or a store unanswering) this long: the peer is lost
+# The bound stated to users (docs/training.md, "Faults and recovery"): the timeout, one
+# heartbeat (a peer's last counter is seen up to one late), one tick of the judge, the message.
+PEER_LOST_BOUND_SECONDS = 35
+EXIT_PEER_LOST = 3             # the exit status of a survivor
+# jax.distributed's own heartbeat timeout (its default: 100 s), after which its service
+# aborts every process: kept well past PEER_LOST_BOUND_SECONDS, so the watchdog ends first.
+SERVICE_HEARTBEAT_TIMEOUT_SECONDS = 4 * PEER_LOST_BOUND_SECONDS
+
+PREFIX = "fractus_jax/peers/"
+DONE = "done"
+
+
+class Watchdog:
+    """The heartbeats of one process and its judgement of the others'.
+
+    client: the coordination service's client (`key_value_set`, `key_value_dir_get`).
+    message(process, seconds): the line that ends this process when `process` has not
+    answered for `seconds` (called once, on the judge's thread)."""
+
+    def __init__(self, client, process_index: int, process_count: int,
+                 message: Callable[[int, float], str], clock: Callable[[], float] = time.monotonic,
+                 exit: Callable[[int], None] = os._exit):
+        self.client, self.index, self.count = client, process_index, process_count
+        self.message, self.clock, self.exit = message, clock, exit
+        self.beats = 0
+        now = clock()
+        self.last_ok = now                                  # the store's last answer
+        self.seen = {i: (None, now) for i in range(process_count) if i != process_index}  # value, since
+        self.changes = {i: 0 for i in self.seen}            # the values seen change this many times
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = []
+
+    def start(self) -> "Watchdog":
+        for target, name in ((self._beat_loop, "fractus-heartbeat"), (self._judge_loop, "fractus-watchdog")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def hold_aborts(self) -> None:
+        """JAX's client aborts the process (a C++ check failure, SIGABRT: exit 134 and a stack
+        trace) the moment it finds the coordination service gone (process 0 died) or told of
+        a fault. The aborting thread is held while the watchdog judges: a peer lost, and the
+        watchdog ends the process with its line and EXIT_PEER_LOST; every peer alive (the
+        abort was not a death), and the abort goes on."""
+        import ctypes
+
+        @ctypes.CFUNCTYPE(None, ctypes.c_int)
+        def on_abort(_signum):
+            self.settle()   # returning: abort() restores the default action and ends the process
+
+        libc = ctypes.CDLL(None)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        self._on_abort = on_abort   # kept alive with the watchdog
+        libc.signal(signal.SIGABRT, ctypes.cast(on_abort, ctypes.c_void_p))
+
+    # The heartbeat thread: the only one that talks to the store (a call may hang on a lost host).
+    def _beat_loop(self) -> None:
+        while not self._stop.is_set():
+            self.beat()
+            self._stop.wait(HEARTBEAT_SECONDS)
+
+    def beat(self) -> None:
+        try:
+            self.beats += 1
+            self.client.key_value_set(f"{PREFIX}{self.index}", str(self.beats), allow_overwrite=True)
+            values = self.client.key_value_dir_get(PREFIX)
+        except Exception:   # noqa: BLE001 - the runtime's error type is not public; the judge sees the silence
+            return
+        now = self.clock()
+        with self._lock:
+            self.last_ok = now
+            for key, value in values:
+                i = int(key.rstrip("/").rsplit("/", 1)[1])
+                if i in self.seen and self.seen[i][0] != value:
+                    self.seen[i] = (value, now)
+                    self.changes[i] += 1
+
+    # The judge's thread: never blocks on the store.
+    def _judge_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            lost = self.lost()
+            if lost is not None:
+                self.end(*lost)
+                return
+
+    def lost(self) -> Optional[tuple[int, float]]:
+        """(process, seconds silent) of a peer lost, or None. The store's silence first: then
+        every counter is still, and process 0, which holds the service, is the one gone."""
+        now = self.clock()
+        with self._lock:
+            if self.seen.get(0, (None,))[0] == DONE:
+                return None   # process 0 finished: the store may go at any time
+            if now - self.last_ok > PEER_TIMEOUT_SECONDS:
+                return 0, now - self.last_ok
+            for i, (value, since) in sorted(self.seen.items()):
+                if value != DONE and now - since > PEER_TIMEOUT_SECONDS:
+                    return i, now - since
+        return None
+
+    def end(self, process: int, seconds: float) -> None:
+        try:
+            line = self.message(process, seconds)
+        except Exception as e:   # noqa: BLE001 - the line must come out whatever happens
+            line = f"error: process {process} stopped answering ({e})"
+        try:
+            sys.stdout.flush()
+        except Exception:   # noqa: BLE001
+            pass
+        print(line, file=sys.stderr, flush=True)
+        self.exit(EXIT_PEER_LOST)
+
+    def settle(self) -> None:
+        """After this process's run failed: return once every peer has beaten twice since (it
+        lives: the failure was not a peer's death; a dead peer's last beat may be read once
+        after its death), or never, when the judge ends the process first."""
+        start = self.clock()
+        with self._lock:
+            before = dict(self.changes)
+        while self.clock() - start < PEER_LOST_BOUND_SECONDS + 3 * HEARTBEAT_SECONDS:
+            with self._lock:
+                if all(v == DONE or self.changes[i] >= before[i] + 2 for i, (v, _) in self.seen.items()):
+                    return
+            time.sleep(0.2)
+
+    def finish(self) -> None:
+        """This process's run ended (max_steps or a stop): the others no longer wait for its
+        heartbeat."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=1.0)
+        try:
+            self.client.key_value_set(f"{PREFIX}{self.index}", DONE, allow_overwrite=True)
+        except Exception:   # noqa: BLE001 - a peer then judges this process by its silence
+            pass
