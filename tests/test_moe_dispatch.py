@@ -171,18 +171,21 @@ def test_the_trained_function_does_not_depend_on_the_mesh(corpus_file, tmp_path,
     one = weights[(1, 1)]
     init = jax.tree.map(lambda a: np.asarray(a, np.float64),
                         model.init_params(cfg_lib.load_config("tiny").model, jax.random.PRNGKey(0)))
-    update = jax.tree.map(lambda a, b: np.abs(a - b).max(), one, init)   # each leaf's own 3 steps
-    # AdamW: every leaf the loss reaches moved about lr a step (the others at most by decay)
-    assert sum(u > 1e-3 for u in jax.tree.leaves(update)) >= 20, update
+    update = jax.tree.map(lambda a, b: np.linalg.norm(a - b), one, init)   # each leaf's own 3 steps (L2)
+    # AdamW: every leaf the loss reaches moved about lr a step per element (the others at most by decay)
+    assert sum(u > 1e-2 for u in jax.tree.leaves(update)) >= 20, update
     for mesh in [(2, 4), (8, 1)]:
         diff = jax.tree.leaves(jax.tree.map(lambda a, b: a - b, weights[mesh], one))
         norm = np.sqrt(sum(np.sum(d ** 2) for d in diff) / sum(np.sum(b ** 2) for b in jax.tree.leaves(one)))
         assert norm <= 1e-4, (mesh, norm)
-        # Leaf by leaf, against that leaf's own update: measured up to 6e-4 of it (the MoE's
-        # low-rank factors, whose gradients sum the most rows); a leaf left alone (update 0)
-        # must be left alone on every mesh.
+        # Leaf by leaf, the L2 norm of the difference against that of the leaf's own update:
+        # measured up to 2.1e-4. Not element by element: an element whose gradient cancels over
+        # the batch carries a large relative rounding error, which AdamW's g/√v turns into a
+        # step of up to lr (one w_qkv element of 6144 differed by 1.1% of the leaf's largest
+        # step, the leaf by 1.5e-4 of its update). A leaf left alone (update 0) must be left
+        # alone on every mesh.
         def check(path, a, b, u):
-            assert np.abs(a - b).max() <= 5e-3 * u, (mesh, jax.tree_util.keystr(path), np.abs(a - b).max(), u)
+            assert np.linalg.norm(a - b) <= 5e-3 * u, (mesh, jax.tree_util.keystr(path), np.linalg.norm(a - b), u)
 
         jax.tree_util.tree_map_with_path(check, weights[mesh], one, update)
 
