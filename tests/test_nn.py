@@ -195,4 +195,8 @@ def test_module_shards_with_the_project_rule_table():
     call = nnx.jit(lambda m, i: m(i))
     logits, lb = call(m, jnp.asarray(ids))
     want = model.forward_chunk(params, carry, ids, cfg)
-    chex.assert_trees_all_close((logits, lb, m.carried()), want, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close((logits, lb), want[:2], rtol=1e-5, atol=1e-5)
+    # the carried sums (S reaches |5| here) by 1e-5 of each array's largest value: the
+    # devices add the positions' outer products in another order
+    jax.tree.map(lambda a, b: np.testing.assert_array_less(np.abs(a - b).max(), 1e-5 * np.abs(b).max() + 1e-12),
+                 m.carried(), want[2])
