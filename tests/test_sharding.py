@@ -166,8 +166,11 @@ def test_plan_reports_the_sharded_step_memory(corpus_file):
     assert eight["params_bytes_per_device"] < 0.4 * one["params_bytes_per_device"]
     assert eight["opt_state_bytes_per_device"] < 0.4 * one["opt_state_bytes_per_device"]
     # With the atom features fed, the planned step takes them too: (A, B, C, 320) float32
-    # more arguments, rows split over all 8 devices (data × fsdp), as the trainer feeds them.
+    # more arguments, rows split over all 8 devices (data × fsdp), as the trainer feeds them;
+    # and atom_feat, which the loss now reaches, gets its moments.
     feats = plan(cfg_lib.resolve_for_mesh(cfg_lib.apply_overrides(_cfg(corpus_file, 2, 4),
                                                                   [*TWO_PROCESS_RUN, "feats=true"])))
-    extra = feats["per_device"]["argument_bytes"] - eight["per_device"]["argument_bytes"]
+    moments = feats["opt_state_bytes_per_device"] - eight["opt_state_bytes_per_device"]
+    assert moments > 0
+    extra = feats["per_device"]["argument_bytes"] - eight["per_device"]["argument_bytes"] - moments
     assert extra == 1 * 8 * 16 * 320 * 4 // 8
