@@ -11,12 +11,10 @@ from fractus_jax.atom import build as build_lib
 from fractus_jax.atom.__main__ import main as atom_main
 from fractus_jax.atom.corpus import CorpusError, JoinedIds, build_corpus, build_shards, open_corpus
 from fractus_jax.train import checkpoint as ckpt_lib
-from fractus_jax.train import config as cfg_lib
-from fractus_jax.train import loop
 from fractus_jax.train import plan as plan_lib
-from fractus_jax.train import state as state_lib
 from fractus_jax.train.data import LaneReader
 from fractus_jax.train.errors import TrainError
+from test_corpus_growth import metrics, params_at, tiny, train
 
 N_SHARDS = 120
 
@@ -207,27 +205,6 @@ def test_build_writes_new_sources_as_new_shards_after_the_last(tmp_path):
     assert open_corpus(tmp_path / "out").prefix_change(record) is None
     np.testing.assert_array_equal(np.asarray(got.ids), np.asarray(open_corpus(tmp_path / "one.u16").ids))
     assert got.n_ids == one["n_ids"] and [c.path.name for c in got.shards[2:]] == ["shard-000002.u16", "shard-000003.u16"]
-
-
-def tiny(corpus, *overrides):
-    return cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [f"corpus={corpus}", *overrides])
-
-
-def train(cfg, workdir, log=lambda m: None):
-    return loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=log)
-
-
-def params_at(workdir, cfg, step):
-    ck = ckpt_lib.RunCheckpointer(workdir, read_only=True)
-    try:
-        state, _ = ck.restore(state_lib.abstract_train_state(cfg), step)
-    finally:
-        ck.close()
-    return state["params"]
-
-
-def metrics(workdir):
-    return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_the_trainer_reads_a_shard_directory_as_the_one_file_and_takes_new_shards_in(tmp_path):

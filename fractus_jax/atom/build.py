@@ -169,16 +169,7 @@ def build_corpus(sources: Sequence, out, *, field: str = "text", force: bool = F
     elif not out.exists():
         raise CorpusError(f"{out}: missing, but its index {ip.name} exists "
                           "(use --force to rebuild)")
-    known = {s["path"]: s for s in index["sources"]}
-    new = []
-    for f in files:
-        key, st = str(f.resolve()), f.stat()
-        old = known.get(key)
-        if old is None:
-            new.append(f)
-        elif (old["size"], old["mtime"]) != (st.st_size, st.st_mtime):
-            log(f"warning: {f} changed since it was added; not re-added "
-                "(use --force to rebuild)")
+    new = _new_sources(files, {s["path"]: s for s in index["sources"]}, log, "use --force to rebuild")
     if not new:
         log(f"{out}: up to date ({index['n_ids']} ids, {index['n_docs']} documents)")
         return index
@@ -203,6 +194,19 @@ def build_corpus(sources: Sequence, out, *, field: str = "text", force: bool = F
     log(f"{out}: {index['n_ids']} ids, {index['n_docs']} documents "
         f"({len(new)} sources added)")
     return index
+
+
+def _new_sources(files: Sequence[Path], known: dict, log, why: str) -> list:
+    """The files not among `known` (index entries by absolute path); one whose size or mtime
+    changed since it was added is reported, not added again (`why`)."""
+    new = []
+    for f in files:
+        old, st = known.get(str(f.resolve())), f.stat()
+        if old is None:
+            new.append(f)
+        elif (old["size"], old["mtime"]) != (st.st_size, st.st_mtime):
+            log(f"warning: {f} changed since it was added; not re-added ({why})")
+    return new
 
 
 def _encode_into(dst, files: Sequence[Path], index: dict, field: str, bar) -> None:
@@ -277,14 +281,7 @@ def build_shards(sources: Sequence, out_dir, *, field: str = "text", shard_bytes
                               "to encode its sources again")
         open_corpus(p)   # the shard agrees with its index
         known.update({s["path"]: s for s in index["sources"]})
-    new = []
-    for f in files:
-        key, st = str(f.resolve()), f.stat()
-        old = known.get(key)
-        if old is None:
-            new.append(f)
-        elif (old["size"], old["mtime"]) != (st.st_size, st.st_mtime):
-            log(f"warning: {f} changed since it was added; not re-added (a shard, once written, never changes)")
+    new = _new_sources(files, known, log, "a shard, once written, never changes")
     if not new:
         log(f"{out_dir}: up to date ({last + 1} shards)")
         return []

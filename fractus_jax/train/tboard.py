@@ -17,13 +17,13 @@ hold exactly its records, once each, in order:
     tensorboardX was missing or tensorboard=false, a grown run's copied history) are written
     again, at the head of the new life's file, with their old wall times where known.
 Each life writes a file of its own (its name sorts after the earlier ones: TensorBoard reads
-a directory's files in name order). It opens with a SessionLog START at its first step (S+1
+a directory's files in name order). It opens with a run-start (START) event at its first step (S+1
 on resume: TensorBoard's purge_step): a TensorBoard left running over the earlier life drops
 the events past S it had read (it purges at every START of a run but the first, which is
 why a fresh run writes one too). Every step of the cut is safe to interrupt: the next start
 finds a prefix of the log's records, and the rest follows.
 
-The writer: tensorboardX's protobufs (Event, Summary, SessionLog) and its record framing
+The writer: tensorboardX's event protobufs (Event, Summary, the run-start record) and its record framing
 (masked CRC-32C), written here synchronously. Its SummaryWriter queues events to a
 background thread that flushes every two minutes: a kill loses what is queued, and a write
 error ends that thread, after which its queue fills and blocks the training loop for good.
@@ -62,7 +62,7 @@ def library():
         return None, f"does not load ({_first_line(e)})"   # protobuf missing, say
     except Exception as e:   # noqa: BLE001 - a broken install (a protobuf it does not fit) ends no run
         return None, f"does not load ({_first_line(e)})"
-    return SimpleNamespace(Event=event_pb2.Event, SessionLog=event_pb2.SessionLog, Summary=summary_pb2.Summary,
+    return SimpleNamespace(Event=event_pb2.Event, Summary=summary_pb2.Summary,
                            crc=masked_crc32c), None
 
 
@@ -240,7 +240,7 @@ class TensorBoardLog:
         first = 0 if resume_step is None else resume_step + 1
         self._file.write(pb.Event(wall_time=now, step=first, file_version=FILE_VERSION))
         # TensorBoard purges at each START of a run but its first: every life writes one
-        self._file.write(pb.Event(wall_time=now, step=first, session_log=pb.SessionLog(status=pb.SessionLog.START)))
+        self._file.write(pb.Event(wall_time=now, step=first, session_log={"status": "START"}))
         for wall, step, values in backlog:
             self._write(wall, step, values)
 
