@@ -3,6 +3,7 @@
 
     python scripts/carry_table.py [--config smoke] [--table 64x16|8x128] [--rows SUBSTRING ...]
         [--set KEY=VALUE ...] [--json]
+    python scripts/carry_table.py --config bench_small --table study [--minutes 10] [--rows ...]
 
 Each row trains the config from scratch (same seed, same lanes) into a temporary run
 directory with the row's overrides, then reads the trainer's held-out score at its last
@@ -13,19 +14,35 @@ lanes read and scores the same targets with the same denominator. --table picks 
 lanes' shape (batch_size x seq_len, set on the config before anything else) and its rows.
 Rows set every field they vary, so the table does not depend on the config's current
 defaults. --rows keeps the rows whose label contains one of the substrings.
+
+The study table (--table study, bench_small's body on the embedded corpus) gives every row
+the same wall time instead of the same steps: each trains under `deadline` = its start +
+--minutes (compiling included, so a row that compiles longer trains less) and is then scored
+from its last checkpoint on 65536 held-out ids in 4 lanes of 16384 (the carry warmed along
+each lane over 128 chunks), with the speech gate (unique ids and bytes among 40 greedy ids,
+decoded as the row trained: a window of accum·seq_len ids when every step started from a
+fresh carry, else the carry streamed) and the median ids/s of its logged steps. Run it on
+one core with nothing else on it for the wall times to compare:
+    taskset -c 1 python scripts/carry_table.py --config bench_small --table study --json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from fractus_jax.eval import bigram
+from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
+from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import probes as probes_lib
 from fractus_jax.train.errors import TrainError
+from fractus_jax.train.heldout import HeldOut
 
 CONSTANT = ["lr_schedule=constant", "decay_steps=0", "lr_floor=0"]
 RECIPE_60 = ["lr=3e-3", "warmup_steps=10", "max_steps=60", *CONSTANT]     # smoke's recipe before resets
@@ -33,6 +50,18 @@ NO_RESET = ["carry_reset_every=0", "carry_reset_prob=0"]
 EVERY_STEP = ["carry_reset_every=1", "carry_reset_prob=0"]
 LR_6E3 = ["lr=6e-3", "warmup_steps=10", *CONSTANT]
 FIGURES = ("val_ce", "val_bpb", "val_ce_warm", "val_bpb_warm", "val_ce_no_carry", "val_bpb_no_carry")
+
+# The study's recipe: AdamW at a constant rate after a short warmup (a deadline ends each row
+# at a step nobody knows in advance, so no decay), 1% held out, 65536 held-out ids in 4 lanes.
+STUDY = ["optimizer=adamw", "lr=2e-3", "warmup_steps=50", *CONSTANT, "weight_decay=0.01", "max_steps=1000000",
+         "val_fraction=0.01", "val_ids=65536", "val_lanes=4", "eval_every=0", "probe_every=0", "log_every=25",
+         "save_every=1000000"]
+
+
+def bptt(k: int) -> list[str]:
+    """k chunks of each lane a step, the gradient through the carry across them."""
+    return [f"accum={k}", f"bptt_chunks={k}"]
+
 
 # Each table: the lanes' shape (set on the base, so the bigram scores the same targets) and its rows.
 TABLES = {
@@ -60,7 +89,18 @@ TABLES = {
         ("reset every step, lr 6e-3, 100 steps", [*LR_6E3, "max_steps=100", *EVERY_STEP]),
         ("no reset, lr 6e-3, 100 steps", [*LR_6E3, "max_steps=100", *NO_RESET]),
     ]),
+    # bench_small's body: 8 lanes of 128-id chunks, equal wall time per row (--minutes)
+    "study": (["batch_size=8", "seq_len=128", *STUDY], [
+        ("carry streamed, K=1", [*bptt(1), *NO_RESET]),
+        ("reset every step, K=1", [*bptt(1), *EVERY_STEP]),
+        ("reset p=0.25, K=1", [*bptt(1), "carry_reset_every=0", "carry_reset_prob=0.25"]),
+        ("K=4, reset every 4 chunks", [*bptt(4), *EVERY_STEP]),
+        ("K=8, reset every 8 chunks", [*bptt(8), *EVERY_STEP]),
+        ("K=4, carry streamed", [*bptt(4), *NO_RESET]),
+        ("K=4, reset p=0.25 every 4 chunks", [*bptt(4), "carry_reset_every=0", "carry_reset_prob=0.25"]),
+    ]),
 }
+TIMED = {"study"}   # tables whose rows get equal wall time (--minutes), not their own steps
 
 
 def run_row(base: cfg_lib.TrainConfig, overrides: list[str], workdir: Path) -> dict:
@@ -69,6 +109,40 @@ def run_row(base: cfg_lib.TrainConfig, overrides: list[str], workdir: Path) -> d
                                         "probe_every=0", f"log_every={cfg.max_steps}"])
     last = [m for m in loop.run_quietly(cfg, workdir) if "val_bpb" in m][-1]
     return {"steps": last["step"], **{k: last[k] for k in FIGURES}}
+
+
+def run_timed_row(base: cfg_lib.TrainConfig, overrides: list[str], workdir: Path, minutes: float) -> dict:
+    """Train until a deadline `minutes` from now, then score the last checkpoint held out
+    and run the speech gate."""
+    cfg = cfg_lib.apply_overrides(base, overrides)
+    cfg = cfg_lib.apply_overrides(cfg, [f"deadline={time.time() + 60 * minutes:.0f}"])
+    records = loop.run_quietly(cfg, workdir)
+    params, _ = ckpt_lib.load_for_inference(workdir)
+    train, val = plan_lib.split_corpus(plan_lib.open_training_corpus(cfg, progress=False), cfg.val_fraction)
+    held = HeldOut(cfg, val).run(params)
+    speech = probes_lib.Prober(cfg, train).run(params)
+    rates = [m["ids_per_s_tf"] for m in records if "ids_per_s_tf" in m]
+    return {"steps": max(m["step"] for m in records if "step" in m),
+            "ids_per_step": cfg.batch_size * cfg.seq_len * cfg.accum,
+            **{k: held[k] for k in FIGURES},
+            "speech_unique_ids": speech["speech_unique_ids"], "speech_unique_bytes": speech["speech_unique_bytes"],
+            "speech_text": speech["speech_text"], "speech_mode": probes_lib.Prober(cfg, train).speech_mode,
+            "ids_per_s": statistics.median(rates) if rates else None}
+
+
+def print_timed(args, base, base_line, out) -> None:
+    print(f"{args.config} body, {base.batch_size} lanes of {base.seq_len}-id chunks, {args.minutes:g} minutes a row: "
+          f"held-out bits per byte on the first {base.val_ids} held-out ids in {base.val_lanes} lanes "
+          f"({base_line['n_ids']} targets, {base_line['n_bytes']} bytes)")
+    print("| row | steps | ids/s | bpb, as trained | bpb, warmed on the lane | bpb, fresh every chunk "
+          "| speech: unique ids / bytes (decode) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in out:
+        mode = "window {}".format(r["speech_mode"]["window"]) if r["speech_mode"]["mode"] == "window" else "step"
+        print(f"| {r['row']} | {r['steps']} | {r['ids_per_s']:.0f} | {r['val_bpb']:.3f} | {r['val_bpb_warm']:.3f} "
+              f"| {r['val_bpb_no_carry']:.3f} | {r['speech_unique_ids']} / {r['speech_unique_bytes']} ({mode}) |")
+    b = f"{base_line['bpb']:.3f}"
+    print(f"| bigram counts (add-one) of the training ids | | | {b} | {b} | {b} | |")
 
 
 def main(argv=None) -> int:
@@ -80,6 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", nargs="*", default=None, metavar="SUBSTRING", help="only the rows whose label has one")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="applied to every row before its own overrides")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="the wall time of each row of a timed table (study), compiling included")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     args = p.parse_args(argv)
     try:
@@ -95,11 +171,24 @@ def main(argv=None) -> int:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, overrides) in enumerate(rows):
-            print(f"{label}: training ({' '.join(overrides)})", file=sys.stderr)
-            r = run_row(base, overrides, Path(tmp) / str(i))
+            print(f"{label}: training ({' '.join(overrides)})", file=sys.stderr, flush=True)
+            if args.table in TIMED:
+                r = run_timed_row(base, overrides, Path(tmp) / str(i), args.minutes)
+            else:
+                r = run_row(base, overrides, Path(tmp) / str(i))
             out.append({"row": label, "overrides": overrides, **r})
             print(f"  val_bpb {r['val_bpb']:.4f} as trained, {r['val_bpb_warm']:.4f} warmed along the lane, "
-                  f"{r['val_bpb_no_carry']:.4f} from a fresh carry", file=sys.stderr)
+                  f"{r['val_bpb_no_carry']:.4f} from a fresh carry" +
+                  (f"; {r['steps']} steps, {r['ids_per_s']:.0f} ids/s, speech {r['speech_unique_ids']} ids / "
+                   f"{r['speech_unique_bytes']} bytes: {r['speech_text']!r}" if args.table in TIMED else ""),
+                  file=sys.stderr, flush=True)
+            if args.json:
+                print(json.dumps({"row": out[-1]}), file=sys.stderr, flush=True)
+    if args.table in TIMED:
+        print_timed(args, base, base_line, out)
+        if args.json:
+            print(json.dumps({"rows": out, "bigram": base_line}))
+        return 0
     print(f"{args.config}: held-out bits per byte, the first {base.val_ids} held-out ids in {base.val_lanes} lanes "
           f"of {base.seq_len}-id chunks ({base_line['n_ids']} targets, {base_line['n_bytes']} bytes)")
     print("| schedule, recipe | steps | bpb, carry as trained | bpb, carry warmed on the lane "

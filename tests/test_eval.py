@@ -97,7 +97,9 @@ def test_the_score_is_a_plain_loop_over_forward_chunk(run):
 
 
 @pytest.mark.parametrize("schedule", [eval_lib.CarrySchedule(every=4), eval_lib.CarrySchedule(prob=0.3),
-                                      eval_lib.CarrySchedule(every=5, prob=0.2)])
+                                      eval_lib.CarrySchedule(every=5, prob=0.2),
+                                      eval_lib.CarrySchedule(every=1, span=4),
+                                      eval_lib.CarrySchedule(every=2, prob=0.4, span=3)])
 def test_a_carry_schedule_restarts_the_lanes_it_names_and_no_others(run, schedule):
     _, workdir, plan = run
     params, cfg = ckpt_lib.load_for_inference(workdir)
@@ -111,6 +113,9 @@ def test_a_carry_schedule_restarts_the_lanes_it_names_and_no_others(run, schedul
     assert abs(got.ce - ce) <= 1e-4 and abs(got.ce_warm - warm) <= 1e-4 and abs(got.ce_no_carry - ce0) <= 1e-4
     assert min(abs(ce - warm), abs(ce - ce0)) > 1e-3       # a third figure, neither of the others
     assert (schedule.resets(31, 3) == restarts).all()      # the same draws every time
+    # a step of `span` chunks (the trainer's accum) restarts only before its first chunk
+    first = np.arange(31) % schedule.span == 0
+    assert not restarts[~first].any()
 
 
 def test_a_run_that_restarts_its_carry_every_step_is_scored_from_a_zero_carry(run):

@@ -327,6 +327,9 @@ def test_the_speech_probe_decodes_as_the_run_trained(corpus_file):
     cfg = tiny(corpus_file, "carry_reset_every=1")   # every chunk from the initial carry: the window function
     prober = Prober(cfg, open_corpus(corpus_file))
     assert prober.speech_mode == {"mode": "window", "window": cfg.seq_len} and cfg.trained_window() == 16
+    # a step of accum chunks read one after another from the initial carry: their window
+    assert tiny(corpus_file, "carry_reset_every=1", "accum=3").trained_window() == 48
+    assert tiny(corpus_file, "carry_reset_every=2", "accum=3").trained_window() is None
     state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(0))
     params = move_off_init(state["params"], jax.random.PRNGKey(1))
     ids, _, n = decode_ids(params, prober.decode_cfg, prober.prompt, SPEECH_STEPS, mode="window", window=16)

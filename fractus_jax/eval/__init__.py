@@ -55,12 +55,14 @@ class EvalError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class CarrySchedule:
     """When the scored carry restarts from the initial carry, as the trainer's
-    carry_reset_every / carry_reset_prob restart it (docs/spec.md §6): every lane at the
-    chunks whose index is a multiple of `every` (> 0), and each lane at each chunk with
-    probability `prob`, drawn from RESET_SEED (the same lanes at every scoring, so values
-    compare across steps)."""
+    carry_reset_every / carry_reset_prob restart it (docs/spec.md §6). A trainer step reads
+    `span` consecutive chunks of each lane (its `accum`) and restarts only before the first:
+    every lane at the steps whose index is a multiple of `every` (> 0), and each lane at
+    each step with probability `prob`, drawn from RESET_SEED (the same lanes at every
+    scoring, so values compare across steps)."""
     every: int = 0
     prob: float = 0.0
+    span: int = 1
 
     @property
     def never(self) -> bool:
@@ -70,22 +72,27 @@ class CarrySchedule:
     @property
     def every_chunk(self) -> bool:
         """Every chunk starts from the initial carry: the schedule is `ce_no_carry`'s."""
-        return self.every == 1 or self.prob >= 1.0
+        return self.span == 1 and (self.every == 1 or self.prob >= 1.0)
 
     def describe(self) -> str:
-        parts = ([("at every chunk" if self.every == 1 else f"every {self.every} chunks")] if self.every else []) + \
-                ([f"each lane with probability {self.prob:g}"] if self.prob else [])
+        unit = "chunk" if self.span == 1 else f"{self.span} chunks"
+        parts = ([(f"at every {unit}" if self.every == 1 else f"every {self.every * self.span} chunks")]
+                 if self.every else []) + \
+                ([f"each lane with probability {self.prob:g} every {unit}"] if self.prob else [])
         return "never restarted" if self.never else "restarted " + " and ".join(parts)
 
     def resets(self, n_chunks: int, lanes: int) -> np.ndarray:
         """(n_chunks, lanes) bool: the lanes whose carry restarts at each chunk."""
-        k = np.arange(n_chunks)[:, None]
-        rows = np.zeros((n_chunks, lanes), bool)
+        n_steps = -(-n_chunks // self.span)
+        k = np.arange(n_steps)[:, None]
+        rows = np.zeros((n_steps, lanes), bool)
         if self.every:
             rows |= (k % self.every == 0)
         if self.prob:
-            rows |= np.random.default_rng(RESET_SEED).random((n_chunks, lanes)) < self.prob
-        return rows
+            rows |= np.random.default_rng(RESET_SEED).random((n_steps, lanes)) < self.prob
+        out = np.zeros((n_steps * self.span, lanes), bool)
+        out[::self.span] = rows
+        return out[:n_chunks]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +138,8 @@ class Score:
                 "n_ids": self.n_ids, "n_bytes": self.n_bytes, "nats": self.nats, "nats_warm": self.nats_warm,
                 "nats_no_carry": self.nats_no_carry, "lanes": self.lanes, "chunk": self.chunk,
                 "n_chunks": self.n_chunks, "carry_reset_every": self.schedule.every,
-                "carry_reset_prob": self.schedule.prob}
+                "carry_reset_prob": self.schedule.prob,
+                "chunks_per_step": self.schedule.span}
 
 
 def bits_per_byte(nats: float, n_bytes: Optional[int]) -> Optional[float]:

@@ -171,10 +171,11 @@ class TrainConfig:
         return out
 
     def trained_window(self) -> Optional[int]:
-        """seq_len when every step's chunk started from the initial carry (carry_reset_every = 1
+        """accum·seq_len when every step started from the initial carry (carry_reset_every = 1
         or carry_reset_prob = 1): the function trained is then the window function of that
-        many ids (docs/generation.md, window mode); None when the carry ran across steps."""
-        return self.seq_len if self.carry_reset_every == 1 or self.carry_reset_prob >= 1.0 else None
+        many ids, the step's accum chunks read one after another from a fresh carry
+        (docs/generation.md, window mode); None when the carry ran across steps."""
+        return self.accum * self.seq_len if self.carry_reset_every == 1 or self.carry_reset_prob >= 1.0 else None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,8 +13,9 @@ def val_slice(cfg: TrainConfig, val):
 
 
 def carry_schedule(cfg: TrainConfig) -> CarrySchedule:
-    """The run's carry restarts, as scoring applies them to its held-out lanes."""
-    return CarrySchedule(every=cfg.carry_reset_every, prob=cfg.carry_reset_prob)
+    """The run's carry restarts, as scoring applies them to its held-out lanes: before the
+    first of each step's accum chunks."""
+    return CarrySchedule(every=cfg.carry_reset_every, prob=cfg.carry_reset_prob, span=cfg.accum)
 
 
 class HeldOut:
