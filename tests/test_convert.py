@@ -217,8 +217,12 @@ def _torch_train_step(engine, opt, ids, cfg, step, lr_dtype=float):
 
 
 def _jax_train_step(snap, ids, x64: bool = False):
-    """The trainer's own step (make_train_step) once, from a restored run; with x64, in
+    """The trainer's own step (make_train_step) once, from a restored run, with the plain
+    kernels (a GPU's: the CPU-tuned forms compute the same function, tests/test_kernels.py,
+    with float32 roundings of their own: on the sums that cancel over the batch, up to 1.1e-4
+    of a leaf's update where the plain forms and PyTorch differ by 4e-5); with x64, in
     float64 (the weights, moments and carry cast up), as `_float64_step` on the PyTorch side."""
+    cfg = cfg_lib.apply_overrides(snap.cfg, ["model.kernels=plain"])
     state = {"params": snap.params, "opt_state": snap.opt_state, "carry": snap.carry,
              "step": np.asarray(snap.step, np.int32), "skipped": np.asarray(snap.skipped, np.int32)}
     batch = {"ids": np.asarray(ids.numpy()[None], np.int32)}
@@ -226,7 +230,7 @@ def _jax_train_step(snap, ids, x64: bool = False):
         if x64:
             state = jax.tree.map(lambda x: np.asarray(x, np.float64) if np.issubdtype(x.dtype, np.floating) else x,
                                  jax.device_get(state))
-        new, metrics = jax.jit(step_lib.make_train_step(snap.cfg))(state, batch)
+        new, metrics = jax.jit(step_lib.make_train_step(cfg))(state, batch)
         assert int(metrics["skipped"]) == 0
         return jax.device_get(new)
 
