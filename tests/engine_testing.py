@@ -1,5 +1,6 @@
 """Shared helpers for the engine tests."""
 import jax
+import numpy as np
 
 
 def move_off_init(params, key, scale=0.3):
@@ -31,3 +32,31 @@ def move_off_init(params, key, scale=0.3):
         out["atom_feat"] = {"weight": 0.05 * jax.random.normal(next(keys), w.shape, w.dtype),
                             "bias": params["atom_feat"]["bias"]}
     return out
+
+
+def assert_trained_alike(got, want, start, bound, label=""):
+    """Two trainings of the same function (another mesh, another dispatch, a resume) end
+    alike: leaf by leaf, the L2 norm of got − want within `bound` times the L2 norm of that
+    leaf's own change over the training, want − start (`start`: the common initial tree;
+    zeros for state that starts at zero, such as moments and the carry). A tolerance against
+    the change, not the weight: a leaf that one side never trained differs by its whole
+    change (ratio 1), and a leaf that did not change must be equal. Not element by element:
+    an element whose gradient cancels over the batch carries a large relative rounding error
+    (AdamW's g/√v turns it into a step of up to lr). Returns the worst ratio."""
+    worst = [0.0]
+
+    def check(path, a, b, s):
+        a, b, s = (np.asarray(x, np.float64) for x in (a, b, s))
+        change, diff = np.linalg.norm(b - s), np.linalg.norm(a - b)
+        assert diff <= bound * change, (label, jax.tree_util.keystr(path), float(diff), float(change))
+        worst[0] = max(worst[0], float(diff / change) if change else 0.0)
+
+    jax.tree_util.tree_map_with_path(check, got, want, start)
+    return worst[0]
+
+
+def changed_leaves(tree, start):
+    """The key paths of the leaves that differ from `start`."""
+    flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda a, s: bool(np.any(np.asarray(a) != np.asarray(s))),
+                                                             tree, start))[0]
+    return {jax.tree_util.keystr(p) for p, moved in flat if moved}
