@@ -10,6 +10,7 @@ import optax
 import fractus_jax as fj
 from fractus_jax import model, sharding
 from fractus_jax.atom.corpus import build_corpus, open_corpus
+from fractus_jax.atom.features import FEATURE_CONTEXT
 from fractus_jax.eval.__main__ import main as eval_main
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
@@ -142,7 +143,7 @@ def test_a_run_with_packet_features_learns_a_memorisable_text_and_logs_its_own_c
     finally:
         ck.close()
     reader = LaneReader(open_corpus(tmp_path / "a.u16").ids, cfg.batch_size, cfg.seq_len)
-    chunks, _, context = reader.read(int(meta["start_token_next"]), left=loop.FEATURE_CONTEXT)
+    chunks, _, context = reader.read(int(meta["start_token_next"]), left=FEATURE_CONTEXT)
     feats = chunk_features(chunks, context)[0]
     inputs, targets = jnp.asarray(chunks[0, :, :-1]), jnp.asarray(chunks[0, :, 1:])
     logits, _, _ = model.forward_chunk(state["params"], state["carry"], inputs, cfg.model, jnp.asarray(feats))

@@ -37,14 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fractus_jax import model
-from fractus_jax.atom.features import atom_features
+from fractus_jax.atom.features import FEATURE_CONTEXT, atom_features
 from fractus_jax.atom.ids import PAD
 from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
 from fractus_jax.config import EngineConfig
-from fractus_jax.kernels.loss import cross_entropy_terms
+from fractus_jax.kernels.loss import CE_BLOCK, cross_entropy_terms
 
-FEATURE_CONTEXT = 64   # ids before a chunk that its packet features see (the trainer's)
-CE_BLOCK = 1024        # positions per cross-entropy block: the (B, C, V) logits are never whole
 RESET_SEED = 0         # the draws of a probabilistic carry schedule: the same lanes every time
 
 
