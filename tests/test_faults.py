@@ -263,7 +263,7 @@ def test_generate_and_export_skip_a_damaged_newest_step(runs, tmp_path, capsys):
     _flip_params(d)
     step, _, _ = ckpt_lib.read_step(d)
     assert step == 2 and "warning: step 4: params failed its checksum; falling back to step 2" in capsys.readouterr().err
-    with pytest.raises(ckpt_lib.CheckpointError, match="step 4: params failed its checksum"):
+    with pytest.raises(rundir.CheckpointError, match="step 4: params failed its checksum"):
         ckpt_lib.load_for_inference(d, step=4)
     # the commands, given the run directory, use step 2: what they print and write is step 2's
     outs = {}

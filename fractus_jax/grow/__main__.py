@@ -15,7 +15,7 @@ import sys
 from fractus_jax.atom.corpus import CorpusError
 from fractus_jax.grow import GrowthError, GrowthSpec
 from fractus_jax.grow import run
-from fractus_jax.train.checkpoint import CheckpointError, read_manifest
+from fractus_jax.train.rundir import CheckpointError, read_manifest
 
 
 def parse_args(argv=None):

@@ -157,7 +157,7 @@ def _write(out: Path, state, meta: dict, run_dir: Path, step: int, cfg: TrainCon
             writer.save(state, meta)
         finally:
             writer.close()
-        for name in (ckpt_lib.CHECKPOINTS, METRICS, ckpt_lib.MANIFEST):
+        for name in (rundir.CHECKPOINTS, METRICS, rundir.MANIFEST):
             if (tmp / name).exists():
                 os.replace(tmp / name, out / name)
                 moved.append(out / name)
