@@ -17,6 +17,7 @@ from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
 from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import state as state_lib
+from fractus_jax.train import objective
 from fractus_jax.train import step as step_lib
 from fractus_jax.train.data import LaneReader, chunk_features
 from engine_testing import move_off_init
@@ -45,7 +46,7 @@ def test_the_loss_is_ce_plus_load_balance_plus_the_anti_repeat_term():
         carry = fj.init_state(cfg.model, B, jnp.float64)
         inputs, targets = ids[:, :-1], ids[:, 1:]
         got_loss, got_grad = jax.jit(jax.value_and_grad(
-            lambda p: step_lib._loss(p, carry, inputs, targets, None, cfg, 0.5)[0]))(params)
+            lambda p: objective.train_loss(p, carry, inputs, targets, None, cfg, 0.5)[0]))(params)
         want_loss, want_grad = jax.jit(jax.value_and_grad(
             lambda p: loss_written_out(p, carry, inputs, targets, cfg, 0.5)))(params)
         without = loss_written_out(params, carry, inputs, targets, tiny("repeat_coef=0", "lb_coef=0"), 0.5)
