@@ -215,11 +215,11 @@ def score_chunk(params, carry, restart_R, ids_Bx1pC, feats, cfg: EngineConfig, b
     # (rows are independent under exact routing; one program compiles in a fraction of the time).
     carry = model.reset_state_rows(carry, restart_R)
     fresh = model.init_state(cfg, B)
-    rows = {k: jnp.concatenate([carry[k], fresh[k].astype(carry[k].dtype)], axis=model._STATE_ROW_AXIS[k])
+    rows = {k: jnp.concatenate([carry[k], fresh[k].astype(carry[k].dtype)], axis=model.STATE_ROW_AXIS[k])
             for k in carry}
     repeat = lambda x: None if x is None else jnp.concatenate([x] * (S + 1), axis=0)  # noqa: E731
     h, _, after = model.forward_hidden(params, rows, repeat(inputs), cfg, repeat(feats))
-    carry = {k: jax.lax.slice_in_dim(v, 0, R, axis=model._STATE_ROW_AXIS[k]) for k, v in after.items()}
+    carry = {k: jax.lax.slice_in_dim(v, 0, R, axis=model.STATE_ROW_AXIS[k]) for k, v in after.items()}
     nats = jnp.stack([_nats(params, h[s * B:(s + 1) * B], targets, block) for s in range(S + 1)])
     return nats, carry
 
