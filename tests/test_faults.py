@@ -376,7 +376,7 @@ def test_a_second_writer_is_refused(runs, corpus_file, tmp_path, capsys):
         # grow and convert import refuse an --out that a trainer holds
         out = tmp_path / "out"
         with rundir.RunLock(_mk(out)):
-            from fractus_jax.grow import run as grow_run
+            from fractus_jax.train import grow_run
             state, meta = ckpt_lib.restore_one_device(d, 4, runs[0])
             with pytest.raises(rundir.RunDirBusy, match=f"{out} is in use by pid {os.getpid()}"):
                 grow_run._write(out, state, meta, d, 4, runs[0])

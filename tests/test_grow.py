@@ -17,10 +17,10 @@ from fractus_jax import config as engine_cfg
 from fractus_jax import grow as grow_lib
 from fractus_jax import model
 from fractus_jax.grow import GrowthError, GrowthSpec
-from fractus_jax.grow import run as grow_run
 from fractus_jax.grow.__main__ import main as cli
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import grow_run
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import loop
 from fractus_jax.train.errors import TrainError
