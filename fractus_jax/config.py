@@ -11,6 +11,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from fractus_jax.atom import ids as atom_ids
+from fractus_jax.kernels.select import KERNELS
 
 VARIANTS = ("atom", "parent")
 # The fields that decide what the weights are (their shapes and meaning): a resumed or
@@ -19,6 +20,10 @@ WEIGHT_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_head", "n_le
                  "coupling_rank", "n_experts", "top_k", "expert_d_ff", "siren_rank", "variant", "atom_feat_dim")
 ATOM_VOCAB = atom_ids.VOCAB
 ATOM_BOS = atom_ids.BOS
+# What a compiled PyTorch module (torch.compile) puts before every state-dict key: the
+# reference engine's load_state_dict and the converter both strip it. Declared here, below
+# both, because the converter's core must not import torch and the reference package does.
+COMPILED_PREFIX = "_orig_mod."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +106,9 @@ class EngineConfig:
             raise ValueError(f"scan_unroll must be >= 1, got {self.scan_unroll}")
         if self.row_streams < 1:
             raise ValueError(f"row_streams must be >= 1, got {self.row_streams}")
-        if self.kernels not in ("auto", "plain", "cpu"):
-            raise ValueError(f"kernels must be 'auto', 'plain' or 'cpu', got {self.kernels!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be {', '.join(map(repr, KERNELS[:-1]))} or {KERNELS[-1]!r}, "
+                             f"got {self.kernels!r}")
         if self.attn_block_size < 1:
             raise ValueError(f"attn_block_size must be >= 1, got {self.attn_block_size}")
         if self.compute_dtype not in ("float32", "bfloat16", "float16", "float64"):

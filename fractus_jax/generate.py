@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -37,6 +36,7 @@ from fractus_jax.atom.ids import NAMES as ATOM_NAMES
 from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
 from fractus_jax.config import EngineConfig
 from fractus_jax.decode import MODES, check_decode_args, decode_ids, speech_counts
+from fractus_jax.train import checkpoint as ckpt_lib
 
 
 class GenerateError(ValueError):
@@ -157,11 +157,7 @@ def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_
 def load_run(run_dir: str, step: Optional[int] = None):
     """(params, engine_cfg) of a trainer run directory or one of its step directories
     (DIR/checkpoints/<step>), via fractus_jax.train.checkpoint."""
-    try:
-        ckpt = importlib.import_module("fractus_jax.train.checkpoint")
-    except ImportError as e:
-        raise GenerateError(f"cannot load checkpoints: fractus_jax.train.checkpoint is not available ({e})") from e
-    return ckpt.load_for_inference(run_dir, step=step)
+    return ckpt_lib.load_for_inference(run_dir, step=step)
 
 
 # The CLI's bound on --max-new: the output buffers are allocated for all of it up front, and a

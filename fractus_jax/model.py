@@ -131,6 +131,14 @@ def count_params(cfg: EngineConfig) -> int:
                    zip(jax.tree_util.tree_leaves(shapes), jax.tree_util.tree_leaves(mask)) if m))
 
 
+# The carried state's logical axes, leaf by leaf (the leading ones; the rest are None):
+# "batch" is the row axis, "layers" the stacked blocks. sharding.py maps them to the mesh;
+# STATE_ROW_AXIS is where each leaf keeps its rows (lanes).
+STATE_AXES = {"thought": ("batch", None), "S": ("layers", "batch"), "z": ("layers", "batch"),
+              "phase": ("layers", "batch")}
+STATE_ROW_AXIS = {name: axes.index("batch") for name, axes in STATE_AXES.items()}
+
+
 def init_state(cfg: EngineConfig, batch_size: int, dtype=jnp.float32) -> State:
     """The zero carry of a stream start."""
     L, B, H, dH = cfg.n_layers, batch_size, cfg.n_heads, cfg.d_head
@@ -151,7 +159,7 @@ def reset_state_rows(state: State, rows_B) -> State:
 
     def one(name, a):
         shape = [1] * a.ndim
-        shape[_STATE_ROW_AXIS[name]] = a.shape[_STATE_ROW_AXIS[name]]
+        shape[STATE_ROW_AXIS[name]] = a.shape[STATE_ROW_AXIS[name]]
         return jnp.where(rows_B.reshape(shape), jnp.zeros((), a.dtype), a)
 
     return {k: one(k, v) for k, v in state.items()}
@@ -409,9 +417,6 @@ def _stream_forward(params: Params, state: State, ids_BxC, cfg: EngineConfig, fe
     return h, {"thought": h[:, -1], "S": S, "z": z, "phase": phase}, stats
 
 
-_STATE_ROW_AXIS = {"thought": 0, "S": 1, "z": 1, "phase": 1}
-
-
 def as_arrays(tree):
     """Every leaf as a jax.Array: host arrays (numpy leaves from the converter, lists) are
     placed on the device; tracers and device arrays pass through unchanged."""
@@ -438,14 +443,14 @@ def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, fea
     outs = []
     for i in range(n):
         part = slice(i * rows, (i + 1) * rows)
-        st = {k: jax.lax.slice_in_dim(v, i * rows, (i + 1) * rows, axis=_STATE_ROW_AXIS[k])
+        st = {k: jax.lax.slice_in_dim(v, i * rows, (i + 1) * rows, axis=STATE_ROW_AXIS[k])
               for k, v in state.items()}
         outs.append(_stream_forward(params, st, ids_BxC[part], cfg, None if feats is None else feats[part]))
     if n == 1:
         h, new_state, (keep, hits, gate_mean, idx) = outs[0]
     else:
         h = jnp.concatenate([o[0] for o in outs], 0)
-        new_state = {k: jnp.concatenate([o[1][k] for o in outs], _STATE_ROW_AXIS[k]) for k in state}
+        new_state = {k: jnp.concatenate([o[1][k] for o in outs], STATE_ROW_AXIS[k]) for k in state}
         keep = sum(o[2][0] for o in outs) / n
         hits = sum(o[2][1] for o in outs)
         gate_mean = sum(o[2][2] for o in outs) / n

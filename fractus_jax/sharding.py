@@ -1,9 +1,10 @@
-"""Where each array lives on the device mesh: one table of logical axes, one of rules.
+"""Where each array lives on the device mesh: tables of logical axes, one of rules.
 
 Mesh axes are `data` (pure data parallelism) and `fsdp` (data parallelism whose devices
 also split the parameters and optimizer moments, ZeRO-3 style). Parameters name logical
-axes per dimension (PARAM_AXES); LOGICAL_RULES maps logical axes to mesh axes. A dimension
-that the mesh axis does not divide stays replicated, and `plan_report` says so.
+axes per dimension (PARAM_AXES), the carried state per leaf (`model.STATE_AXES`, which the
+engine slices rows by); LOGICAL_RULES maps logical axes to mesh axes. A dimension that the
+mesh axis does not divide stays replicated, and `plan_report` says so.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import re
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from fractus_jax.model import STATE_AXES
 
 MESH_AXES = ("data", "fsdp")
 
@@ -29,10 +32,6 @@ PARAM_AXES = (
     (r"blocks/moe/(U1|V1|U2|V2|scale1|scale2|b1|b2|expert_phases)", ("layers", "experts")),
     (r"atom_feat/weight", ("embed", None)),
 )
-
-# Carried state: the batch axis of each leaf.
-STATE_AXES = {"thought": ("batch", None), "S": ("layers", "batch"), "z": ("layers", "batch"),
-              "phase": ("layers", "batch")}
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, devices=None) -> jax.sharding.Mesh:

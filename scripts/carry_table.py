@@ -35,14 +35,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from fractus_jax.eval import bigram
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
 from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import probes as probes_lib
 from fractus_jax.train.errors import TrainError
-from fractus_jax.train.heldout import HeldOut
+from fractus_jax.train.heldout import HeldOut, bigram_baseline
 
 CONSTANT = ["lr_schedule=constant", "decay_steps=0", "lr_floor=0"]
 RECIPE_60 = ["lr=3e-3", "warmup_steps=10", "max_steps=60", *CONSTANT]     # smoke's recipe before resets
@@ -165,7 +164,7 @@ def main(argv=None) -> int:
         if not (base.val_fraction or base.val_corpus):
             raise cfg_lib.ConfigError(f"{args.config} holds nothing out: set val_fraction or val_corpus")
         rows = [(label, o) for label, o in table if args.rows is None or any(s in label for s in args.rows)]
-        base_line = bigram.run_baseline(base)
+        base_line = bigram_baseline(base)
     except (cfg_lib.ConfigError, TrainError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

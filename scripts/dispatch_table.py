@@ -22,10 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fractus_jax.eval import bigram
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
 from fractus_jax.train.errors import TrainError
+from fractus_jax.train.heldout import bigram_baseline
 
 CHOICES = {"dropless": "none", "cf = 4": "4", "cf = 1.25": "1.25"}
 HELD_OUT = ["val_fraction=0.01", "val_ids=4096", "val_lanes=4"]   # smoke's held-out part
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
             base = cfg_lib.apply_overrides(base, [f"max_steps={args.steps}"])
         if not (base.val_fraction or base.val_corpus):
             raise cfg_lib.ConfigError("the config holds nothing out: set val_fraction or val_corpus")
-        base_line = bigram.run_baseline(base)
+        base_line = bigram_baseline(base)
     except (cfg_lib.ConfigError, TrainError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 
-GIB = 1024 ** 3
+from fractus_jax.train.memory import GIB
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,7 @@ import pytest
 from fractus_jax.atom import encode
 from fractus_jax.atom.ids import BOS, EOS, VOCAB
 from fractus_jax.eval import bigram, lane_targets
+from fractus_jax.eval.bigram.__main__ import main as bigram_cli
 
 
 def test_counts_every_adjacent_pair_once_across_blocks():
@@ -49,7 +50,7 @@ def test_lanes_score_the_targets_eval_scores():
 def test_the_command_scores_the_configs_held_out_slice(corpus_file, capsys):
     sets = ["--set", f"corpus={corpus_file}", "--set", "val_fraction=0.1", "--set", "val_ids=600",
             "--set", "val_lanes=2", "--set", "seq_len=32"]
-    assert bigram.main(["--config", "tiny", *sets, "--json"]) == 0
+    assert bigram_cli(["--config", "tiny", *sets, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     ids = np.fromfile(corpus_file, "<u2")
     n_val = int(len(ids) * 0.1)
@@ -57,6 +58,6 @@ def test_the_command_scores_the_configs_held_out_slice(corpus_file, capsys):
     want = bigram.score(counts, ids[len(ids) - n_val:][:600], 2, 32)
     assert out["nats"] == pytest.approx(want["nats"], rel=1e-12) and out["n_bytes"] == want["n_bytes"]
     assert 0 < out["bpb"] < 8   # the sources' bigrams beat a uniform byte
-    assert bigram.main(["--config", "tiny", "--set", f"corpus={corpus_file}", "--json"]) == 2
+    assert bigram_cli(["--config", "tiny", "--set", f"corpus={corpus_file}", "--json"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
-    assert bigram.main(["--config", "tiny", *sets, "--alpha", "0"]) == 2
+    assert bigram_cli(["--config", "tiny", *sets, "--alpha", "0"]) == 2

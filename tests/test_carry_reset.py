@@ -44,7 +44,7 @@ def warm_state(corpus_file):
 
 def _rows(carry, k):
     """carry[k] with its row axis first."""
-    return np.moveaxis(np.asarray(carry[k]), model._STATE_ROW_AXIS[k], 0)
+    return np.moveaxis(np.asarray(carry[k]), model.STATE_ROW_AXIS[k], 0)
 
 
 def _run(cfg, state, seed=3):
@@ -90,7 +90,7 @@ def test_per_row_reset_touches_only_those_rows(corpus_file, warm_state):
     rows = np.asarray(step_lib.reset_rows(cfg, warm_state["step"], key))
     assert rows.any() and not rows.all(), rows    # a mix: both kinds of row are checked
     kept = model.reset_state_rows(warm_state["carry"], rows)
-    for k in model._STATE_ROW_AXIS:
+    for k in model.STATE_ROW_AXIS:
         a, b = _rows(kept, k), _rows(warm_state["carry"], k)
         assert (a[rows] == 0).all(), k
         np.testing.assert_array_equal(a[~rows], b[~rows])

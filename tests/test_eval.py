@@ -63,9 +63,9 @@ def plain_loop(params, cfg, ids, lanes, chunk, restarts=None):
     totals = [0.0, 0.0]
     for k in range(n_chunks):
         if restarts is not None:
-            state = {name: np.moveaxis(np.moveaxis(np.asarray(a), model._STATE_ROW_AXIS[name], 0)
+            state = {name: np.moveaxis(np.moveaxis(np.asarray(a), model.STATE_ROW_AXIS[name], 0)
                                        * ~restarts[k].reshape((lanes,) + (1,) * (a.ndim - 1)),
-                                       0, model._STATE_ROW_AXIS[name]) for name, a in state.items()}
+                                       0, model.STATE_ROW_AXIS[name]) for name, a in state.items()}
         inputs = lane[:, k * chunk:(k + 1) * chunk]
         targets = lane[:, k * chunk + 1:(k + 1) * chunk + 1]
         logits, _, state_next = step(params, state, inputs, cfg)

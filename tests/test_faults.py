@@ -263,7 +263,7 @@ def test_generate_and_export_skip_a_damaged_newest_step(runs, tmp_path, capsys):
     _flip_params(d)
     step, _, _ = ckpt_lib.read_step(d)
     assert step == 2 and "warning: step 4: params failed its checksum; falling back to step 2" in capsys.readouterr().err
-    with pytest.raises(ckpt_lib.CheckpointError, match="step 4: params failed its checksum"):
+    with pytest.raises(rundir.CheckpointError, match="step 4: params failed its checksum"):
         ckpt_lib.load_for_inference(d, step=4)
     # the commands, given the run directory, use step 2: what they print and write is step 2's
     outs = {}
@@ -376,7 +376,7 @@ def test_a_second_writer_is_refused(runs, corpus_file, tmp_path, capsys):
         # grow and convert import refuse an --out that a trainer holds
         out = tmp_path / "out"
         with rundir.RunLock(_mk(out)):
-            from fractus_jax.grow import run as grow_run
+            from fractus_jax.train import grow_run
             state, meta = ckpt_lib.restore_one_device(d, 4, runs[0])
             with pytest.raises(rundir.RunDirBusy, match=f"{out} is in use by pid {os.getpid()}"):
                 grow_run._write(out, state, meta, d, 4, runs[0])

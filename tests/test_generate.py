@@ -2,7 +2,6 @@
 import dataclasses
 import json
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -236,9 +235,7 @@ def _fake_checkpoint_module(monkeypatch, params, cfg, calls):
     def load_for_inference(run_dir, step=None):
         calls.append((run_dir, step))
         return params, cfg
-    fake = types.ModuleType("fractus_jax.train.checkpoint")
-    fake.load_for_inference = load_for_inference
-    monkeypatch.setitem(sys.modules, "fractus_jax.train.checkpoint", fake)
+    monkeypatch.setattr(ckpt, "load_for_inference", load_for_inference)
 
 
 @pytest.mark.slow   # the 450-step memorisation fixture
@@ -289,9 +286,7 @@ def test_cli_missing_dir_bad_checkpoint_and_wrong_engine(tmp_path, monkeypatch, 
 
     def broken(run_dir, step=None):
         raise ValueError(f"{run_dir} is not a run directory (no manifest.json)")
-    fake = types.ModuleType("fractus_jax.train.checkpoint")
-    fake.load_for_inference = broken
-    monkeypatch.setitem(sys.modules, "fractus_jax.train.checkpoint", fake)
+    monkeypatch.setattr(ckpt, "load_for_inference", broken)
     with pytest.raises(SystemExit) as e:
         gen.main(["--ckpt", str(tmp_path), "--prompt", "a"])
     assert e.value.code != 0 and "no manifest.json" in capsys.readouterr().err

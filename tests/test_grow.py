@@ -17,16 +17,16 @@ from fractus_jax import config as engine_cfg
 from fractus_jax import grow as grow_lib
 from fractus_jax import model
 from fractus_jax.grow import GrowthError, GrowthSpec
-from fractus_jax.grow import run as grow_run
 from fractus_jax.grow.__main__ import main as cli
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import grow_run
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import loop
 from fractus_jax.train.errors import TrainError
 from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import state as state_lib
-from fractus_jax.train import step as step_lib
+from fractus_jax.train import objective
 from fractus_jax.train.config import MeshConfig, TrainConfig
 
 from tensorboard_testing import assert_curves_are_the_log
@@ -138,7 +138,7 @@ def test_gradients_reach_the_new_parameters(source):
                                                hits=hits)
     exact = TrainConfig(**{**new_cfg.__dict__, "model": new_cfg.model.replace(capacity_factor=None)})
     inputs, targets = ids, np.roll(ids, -1, axis=1)
-    grad = jax.jit(jax.grad(lambda p: step_lib._loss(p, new["carry"], inputs, targets, None, exact, 1.0)[0]))
+    grad = jax.jit(jax.grad(lambda p: objective.train_loss(p, new["carry"], inputs, targets, None, exact, 1.0)[0]))
     L, E, r = 2, 8, 8
 
     def regions(tree):

@@ -113,7 +113,7 @@ def test_row_streams_change_nothing_but_the_schedule():
         (loss2, out2), g2 = value_and_grad(params, streams)
         # The test can fail: the streams' own load balances do not average to the global one,
         # capacity dropped assignments, and the rows differ.
-        halves = [model.forward_hidden(params, {k: jnp.split(v, 2, model._STATE_ROW_AXIS[k])[i]
+        halves = [model.forward_hidden(params, {k: jnp.split(v, 2, model.STATE_ROW_AXIS[k])[i]
                                                 for k, v in state.items()},
                                        ids[2 * i:2 * i + 2], cfg, feats[2 * i:2 * i + 2])[1].lb
                   for i in range(2)]

@@ -414,3 +414,21 @@ def test_the_watchdog_ends_the_process_with_its_line_last(capsys):
     assert capsys.readouterr().err.splitlines()[-1] == "error: process 1 stopped answering (31 s)"
     assert peers.SERVICE_HEARTBEAT_TIMEOUT_SECONDS > peers.PEER_LOST_BOUND_SECONDS >= (
         peers.PEER_TIMEOUT_SECONDS + 2 * peers.HEARTBEAT_SECONDS + 1)
+
+
+def test_the_coordination_client_is_where_runtime_client_reads_it():
+    """runtime_client reads jax._src.distributed.global_state.client, the one private name of
+    JAX the trainer uses (no public API hands out the coordination service's key-value
+    client). A JAX that moves it, or renames the methods KeyValueExchange and the peer
+    watchdog call, fails here, in one process, instead of in a multi-process run."""
+    from jax._src import distributed
+    from jax._src.lib import _jax
+
+    assert isinstance(distributed.global_state, distributed.State)
+    assert "client" in distributed.State.__annotations__
+    assert distributed.global_state.client is None          # no jax.distributed.initialize here
+    with pytest.raises(RuntimeError, match="without jax.distributed's client"):
+        policy.runtime_client()
+    client_type = _jax.DistributedRuntimeClient
+    for method in ("key_value_set", "key_value_dir_get", "blocking_key_value_get", "key_value_delete"):
+        assert callable(getattr(client_type, method, None)), f"{client_type.__name__}.{method} is gone"

@@ -18,6 +18,7 @@ from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import reach
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.data import LaneReader, global_batch
+from fractus_jax.train.memory import plan_memory
 from fractus_jax.train.step import batch_shardings, jit_train_step
 
 from engine_testing import assert_trained_alike, changed_leaves
@@ -188,11 +189,9 @@ def test_two_processes_on_localhost_match_one(corpus_file, start, tmp_path):
 
 
 def test_plan_reports_the_sharded_step_memory(corpus_file):
-    from fractus_jax.plan import plan
-
     with jax.default_matmul_precision("highest"):   # the `trained` fixture's: its step is compiled already
-        one = plan(_cfg(corpus_file, 1, 1))
-    eight = plan(cfg_lib.resolve_for_mesh(cfg_lib.apply_overrides(_cfg(corpus_file, 2, 4), TWO_PROCESS_RUN)))
+        one = plan_memory(_cfg(corpus_file, 1, 1))
+    eight = plan_memory(cfg_lib.resolve_for_mesh(cfg_lib.apply_overrides(_cfg(corpus_file, 2, 4), TWO_PROCESS_RUN)))
     for r in (one, eight):
         d = r["per_device"]
         assert d["total_bytes"] == d["argument_bytes"] + d["output_bytes"] - d["alias_bytes"] + d["temp_bytes"]

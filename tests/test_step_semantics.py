@@ -10,12 +10,14 @@ import optax
 import fractus_jax as fj
 from fractus_jax import model, sharding
 from fractus_jax.atom.corpus import build_corpus, open_corpus
+from fractus_jax.atom.features import FEATURE_CONTEXT
 from fractus_jax.eval.__main__ import main as eval_main
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
 from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import state as state_lib
+from fractus_jax.train import objective
 from fractus_jax.train import step as step_lib
 from fractus_jax.train.data import LaneReader, chunk_features
 from engine_testing import move_off_init
@@ -44,7 +46,7 @@ def test_the_loss_is_ce_plus_load_balance_plus_the_anti_repeat_term():
         carry = fj.init_state(cfg.model, B, jnp.float64)
         inputs, targets = ids[:, :-1], ids[:, 1:]
         got_loss, got_grad = jax.jit(jax.value_and_grad(
-            lambda p: step_lib._loss(p, carry, inputs, targets, None, cfg, 0.5)[0]))(params)
+            lambda p: objective.train_loss(p, carry, inputs, targets, None, cfg, 0.5)[0]))(params)
         want_loss, want_grad = jax.jit(jax.value_and_grad(
             lambda p: loss_written_out(p, carry, inputs, targets, cfg, 0.5)))(params)
         without = loss_written_out(params, carry, inputs, targets, tiny("repeat_coef=0", "lb_coef=0"), 0.5)
@@ -142,7 +144,7 @@ def test_a_run_with_packet_features_learns_a_memorisable_text_and_logs_its_own_c
     finally:
         ck.close()
     reader = LaneReader(open_corpus(tmp_path / "a.u16").ids, cfg.batch_size, cfg.seq_len)
-    chunks, _, context = reader.read(int(meta["start_token_next"]), left=loop.FEATURE_CONTEXT)
+    chunks, _, context = reader.read(int(meta["start_token_next"]), left=FEATURE_CONTEXT)
     feats = chunk_features(chunks, context)[0]
     inputs, targets = jnp.asarray(chunks[0, :, :-1]), jnp.asarray(chunks[0, :, 1:])
     logits, _, _ = model.forward_chunk(state["params"], state["carry"], inputs, cfg.model, jnp.asarray(feats))

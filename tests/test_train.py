@@ -21,6 +21,7 @@ from fractus_jax.train import loop
 from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import progress as progress_lib
 from fractus_jax.train import state as state_lib
+from fractus_jax.train import objective
 from fractus_jax.train import step as step_lib
 from fractus_jax.train.errors import TrainError
 
@@ -86,8 +87,8 @@ def test_accumulation_equals_one_gradient_of_the_summed_chunks(corpus_file):
         state["params"], state["carry"])
 
     def two_chunks(params, weights):
-        loss0, aux0 = step_lib._loss(params, state["carry"], inputs[0], targets[0], None, cfg, 1.0)
-        loss1, _ = step_lib._loss(params, aux0[4], inputs[1], targets[1], None, cfg, 1.0)
+        loss0, aux0 = objective.train_loss(params, state["carry"], inputs[0], targets[0], None, cfg, 1.0)
+        loss1, _ = objective.train_loss(params, aux0[4], inputs[1], targets[1], None, cfg, 1.0)
         return (weights[0] * loss0 + weights[1] * loss1) / 2
 
     # One program: weights (1, 1) give the mean of the two chunks' losses, (2, 0) the first alone.

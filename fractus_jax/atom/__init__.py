@@ -6,26 +6,15 @@ closing each packet. ``encode`` / ``encode_open`` / ``decode`` work on text,
 the 320-d packet features; ``fractus_jax.atom.corpus`` reads and builds corpora.
 Command line: ``python -m fractus_jax.atom {build,stats,decode,validate,encode,bench}``.
 """
-import importlib
-
+from fractus_jax.atom.features import atom_features, packet_features
 from fractus_jax.atom.ids import (
     B_FLUSH, B_GENERATED, B_MAXSPAN, B_NEWLINE, B_PUNCT, B_TRANSITION, B_WHITESPACE, BOS,
     BOUNDARIES, EOS, FEAT_DIM, MAX_SPAN, NAMES, PAD, VOCAB, is_boundary,
 )
-
-# The encoder and the features load on first use: the engine imports fractus_jax.atom.ids
-# (which runs this file) and needs none of them.
-_LAZY = {name: "fractus_jax.atom.stream" for name in (
-    "StreamEncoder", "check_ids", "decode", "decode_bytes", "encode", "encode_batch", "encode_bytes",
-    "encode_open", "encode_open_bytes", "render")}
-_LAZY.update(atom_features="fractus_jax.atom.features", packet_features="fractus_jax.atom.features")
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'fractus_jax.atom' has no attribute {name!r}")
-
+from fractus_jax.atom.stream import (
+    StreamEncoder, check_ids, decode, decode_bytes, encode, encode_batch, encode_bytes, encode_open,
+    encode_open_bytes, render,
+)
 
 __all__ = [
     "B_FLUSH", "B_GENERATED", "B_MAXSPAN", "B_NEWLINE", "B_PUNCT", "B_TRANSITION",

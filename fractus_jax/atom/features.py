@@ -19,6 +19,10 @@ SKETCH = 128  # hashed byte unigram + bigram buckets
 CONTEXT_PACKETS = 8  # the rolling context: mean sketch of up to 8 earlier packets
 HISTORY = 4  # kinds and lengths of the 4 previous packets
 PERIODS = (8.0, 64.0, 512.0, 4096.0)  # packet index in the document, sin / cos
+# Ids before a chunk that its packet features look at (`atom_features(ids, left=...)`): the
+# trainer and held-out scoring both pass this many, so a chunk's first packets see the same
+# context wherever it is read.
+FEATURE_CONTEXT = 64
 
 # Offsets of each field in the 320-d vector.
 F_KIND = 0  # 7: one-hot boundary kind (259..265)

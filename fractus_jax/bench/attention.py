@@ -37,10 +37,14 @@ import os
 import sys
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fractus_jax import config
 from fractus_jax.bench import timing
+from fractus_jax.kernels import attention as A
+from fractus_jax.model import level_offsets
 
 _1B = config.atom_1b()
 HEADS, LEVELS, D_HEAD = _1B.n_heads, _1B.n_levels, _1B.d_head     # 20, 2, 64
@@ -61,8 +65,6 @@ def make_inputs(batch: int, seed: int = 0, heads: int = HEADS, levels: int = LEV
                 chunk: int = CHUNK, d_head: int = D_HEAD) -> dict:
     """Random float32 inputs (numpy), fixed by the seed: q, k, v (B, H, C, dH), a carry
     S0 (B, H, dH, dH), z0 > 0 (B, H, dH), the level offsets and the loss probe."""
-    from fractus_jax.model import level_offsets
-
     rng = np.random.default_rng(seed)
     f32 = lambda *s: rng.standard_normal(s, dtype=np.float32)
     B, H, C, d = batch, heads, chunk, d_head
@@ -79,11 +81,6 @@ def make_inputs(batch: int, seed: int = 0, heads: int = HEADS, levels: int = LEV
 
 def _jax_step(impl: str):
     """loss, grads (q, k, v) and the level-mean carry, as one function of the inputs."""
-    import jax
-    import jax.numpy as jnp
-
-    from fractus_jax.kernels import attention as A
-
     block, cpu = JAX_IMPLS[impl]
     kernel = (A.linear_attention_reference if block is None
               else lambda *a: A.linear_attention(*a, block_size=block, cpu_tuned=cpu))
@@ -109,9 +106,6 @@ def _jax_step(impl: str):
 
 
 def time_jax_impl(impl: str, inputs: dict, repeats: int, warmup: int = 1):
-    import jax
-    import jax.numpy as jnp
-
     names = ("q", "k", "v", "S0", "z0", "reset", "offsets", "probe")
     args = [jnp.asarray(inputs[n]) for n in names]
     step = jax.jit(_jax_step(impl)).lower(*args).compile()
@@ -181,8 +175,6 @@ def run(batch: int, impls: Sequence[str] = DEFAULT_IMPLS, repeats: int = 10, war
     to `log` (default: stderr)."""
     if log is None:
         log = lambda line: print(line, file=sys.stderr, flush=True)
-    import jax
-
     cores = timing.cpu_cores()
     have_torch = any(i in TORCH_IMPLS for i in impls) and _torch_available()
     torch_threads = None
@@ -204,8 +196,7 @@ def run(batch: int, impls: Sequence[str] = DEFAULT_IMPLS, repeats: int = 10, war
             flops[impl] = f
         log(f"  {impl}: {ms[impl]:.2f} ms")
     base = ms.get(BASELINE)
-    from fractus_jax.bench.train import measure_peak
-    peak = measure_peak(jax.default_backend())["peak"] if flops else None
+    peak = timing.measure_peak(jax.default_backend())["peak"] if flops else None
     return {
         "gflop": {i: f / 1e9 for i, f in flops.items()},
         "flops_per_s": {i: f / (ms[i] / 1e3) for i, f in flops.items()},

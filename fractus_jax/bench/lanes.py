@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from fractus_jax.atom.corpus import open_corpus
+from fractus_jax.atom.features import FEATURE_CONTEXT
 from fractus_jax.atom.stream import encode
 from fractus_jax.train.data import LaneReader, chunk_features
-from fractus_jax.train.loop import FEATURE_CONTEXT
 from fractus_jax.train.plan import split_corpus
 
 

@@ -35,7 +35,10 @@ import re
 import sys
 import tempfile
 
+import jax
+
 from fractus_jax import hostmem
+from fractus_jax.bench.train import build_step, step_config, step_parser
 
 KINDS = ("matmul", "data movement", "elementwise")
 COMPONENTS = ("embed", "attention", "kuramoto", "moe", "layernorm", "loss", "optimizer")
@@ -204,10 +207,6 @@ def format_table(r: dict) -> str:
 
 def profile_step(cfg, steps: int = 3, warmup: int = 2, trace_dir: str | None = None, top: int = 15) -> dict:
     """Trace `steps` runs of the compiled step after `warmup` runs; the summary dict."""
-    import jax
-
-    from fractus_jax.bench.train import build_step
-
     step, state, batches = build_step(cfg, steps + warmup)
     compiled = step.lower(state, batches[0]).compile()
     hlo = compiled.as_text()
@@ -238,8 +237,6 @@ def profile_step(cfg, steps: int = 3, warmup: int = 2, trace_dir: str | None = N
 
 
 def main(argv=None) -> int:
-    from fractus_jax.bench.train import step_config, step_parser
-
     p = step_parser("python -m fractus_jax.bench profile", __doc__, 3, "traced steps")
     p.add_argument("--top", type=int, default=15, help="operations listed")
     p.add_argument("--trace", "--trace-dir", dest="trace_dir", metavar="DIR", default=None,

@@ -15,60 +15,29 @@ kernel, and the ratio is reported. With --json the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
 
-from fractus_jax import hostmem
+import jax
+import numpy as np
+
+from fractus_jax import hostmem, sharding
 from fractus_jax.bench import timing
 from fractus_jax.bench.flops import train_flops_per_id
-
-
-def peak_sampler(backend: str):
-    """(sample, flops, kind): `sample(n)` times n runs of a large dense matmul (float32 on a
-    CPU, bfloat16 on an accelerator), seconds each, after compiling and two warm-up runs."""
-    import jax
-    import jax.numpy as jnp
-
-    n, dtype = (2048, jnp.float32) if backend == "cpu" else (8192, jnp.bfloat16)
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
-    matmul = jax.jit(lambda x, y: x @ y).lower(a, b).compile()
-    for _ in range(2):
-        jax.block_until_ready(matmul(a, b))
-
-    def sample(runs: int) -> list[float]:
-        times = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            jax.block_until_ready(matmul(a, b))
-            times.append(time.perf_counter() - t0)
-        return times
-    return sample, 2 * n ** 3, f"{jnp.dtype(dtype).name} {n}x{n} matmul"
-
-
-def measure_peak(backend: str, repeats: int = 10) -> dict:
-    """FLOP/s of a large dense matmul: the best of `repeats` timed runs, and their median.
-    The best is the peak: on a shared machine the median of the same matmul moved between
-    60% and 100% of it in one run."""
-    sample, flops, kind = peak_sampler(backend)
-    times = sorted(sample(repeats))
-    return {"peak": flops / times[0], "median": flops / times[len(times) // 2],
-            "kind": f"{kind}, best of {repeats}"}
+from fractus_jax.kernels import select
+from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import state as state_lib
+from fractus_jax.train.config import resolve_for_mesh
+from fractus_jax.train.data import LaneReader, global_batch
+from fractus_jax.train.step import batch_shardings, jit_train_step
 
 
 def build_step(cfg, n_batches: int):
     """(step, state, batches): the trainer's jitted step (state donated), a fresh state on the
     config's mesh and `n_batches` global batches of random ids, as the trainer shards them."""
-    import jax
-    import numpy as np
-
-    from fractus_jax import sharding
-    from fractus_jax.train import state as state_lib
-    from fractus_jax.train.data import LaneReader, global_batch
-    from fractus_jax.train.step import batch_shardings, jit_train_step
-
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
     state, shardings = state_lib.create_train_state(cfg, mesh, jax.random.PRNGKey(cfg.seed))
     batch_shard = batch_shardings(cfg, mesh)
@@ -83,8 +52,6 @@ def build_step(cfg, n_batches: int):
 def time_jax_step(cfg, steps: int, warmup: int, after_step=None) -> dict:
     """Median step time and page faults over `steps` timed steps; `after_step(i)` runs
     after timed step i, outside the timing (bench train samples the matmul peak there)."""
-    import jax
-
     step, state, batches = build_step(cfg, steps + warmup + 1)
     t0 = time.perf_counter()
     state, metrics = step(state, batches[0])
@@ -155,12 +122,8 @@ def _paired_mfu(step_s: list[float], peak_s: list[list[float]], step_flops: floa
 
 
 def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict:
-    import jax
-
-    from fractus_jax.kernels import select    # loaded on use, as jax is here
-
     backend = jax.default_backend()
-    sample_peak, peak_flops, peak_kind = peak_sampler(backend)
+    sample_peak, peak_flops, peak_kind = timing.peak_sampler(backend)
     # The peak is sampled between rounds of steps, not once before or after them: this
     # machine moves between fast and slow phases within seconds, and a peak taken in a
     # slow phase (or a step timed in one) moved the MFU by a third between runs.
@@ -240,10 +203,6 @@ def compare_models(cfg, choices: dict, rounds: int = 4, steps: int = 3, warmup: 
     this one process, round robin (`rounds` rounds of `steps` timed steps each), so that
     their ratios share the machine's phase: [{name, capacity_factor, ms_per_step,
     ids_per_s, keep_rate, ratio}], ratio against the first."""
-    import dataclasses
-
-    import jax
-
     runs = []
     for name, change in choices.items():
         c = dataclasses.replace(cfg, model=cfg.model.replace(**change))
@@ -284,9 +243,6 @@ def step_parser(prog: str, doc: str, steps: int, steps_help: str) -> argparse.Ar
 
 def step_config(args):
     """The resolved config of `step_parser`'s arguments; a user's mistake exits 2, no traceback."""
-    from fractus_jax.train import config as cfg_lib
-    from fractus_jax.train.config import resolve_for_mesh
-
     if args.steps < 1 or args.warmup < 0:
         print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
         raise SystemExit(2)

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from fractus_jax.config import EngineConfig
+from fractus_jax.config import COMPILED_PREFIX, EngineConfig
 from fractus_jax.convert import names
 from fractus_jax.model import init_params
 
@@ -29,8 +29,8 @@ def _to_numpy(x) -> np.ndarray:
 
 
 def strip_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop the `_orig_mod.` prefix a compiled PyTorch module adds to every key."""
-    p = names.COMPILED_PREFIX
+    """Drop the prefix a compiled PyTorch module adds to every key (`COMPILED_PREFIX`)."""
+    p = COMPILED_PREFIX
     return {(k[len(p):] if k.startswith(p) else k): v for k, v in state_dict.items()}
 
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from fractus_jax.convert import ConversionError
-from fractus_jax.train.checkpoint import CheckpointError
+from fractus_jax.train.rundir import CheckpointError
 from fractus_jax.train.config import ConfigError
 
 

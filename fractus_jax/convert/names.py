@@ -2,7 +2,9 @@
 
 A JAX path is a tuple of dict keys into the parameter tree; block paths are relative to
 `params["blocks"]`, whose leaves carry a leading layer axis, and their PyTorch names take the
-block index `{i}`. Nothing else in the package spells a PyTorch name.
+block index `{i}`. Nothing else in the package spells a PyTorch name, save the prefix a
+compiled module puts before every key (`fractus_jax.config.COMPILED_PREFIX`, which the
+torch-only reference engine strips too).
 """
 from __future__ import annotations
 
@@ -51,7 +53,6 @@ ATOM_PER_BLOCK = (
     (("kuramoto", "phase_proj", "bias"), "kuramoto.phase_proj.bias"),
 )
 TIED_HEAD = "output_head.weight"  # the same tensor as observe.weight
-COMPILED_PREFIX = "_orig_mod."
 
 # Carried state buffers (docs/spec.md §2): names and how they map to the JAX state dict.
 THOUGHT = "thought_state"

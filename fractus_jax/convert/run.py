@@ -86,7 +86,7 @@ def export_run(ckpt, out, opt: bool = False, hub: bool = False) -> list[Path]:
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConversionError(f"--out {out} exists and is not a directory")
-    if out.exists() and ((out / ckpt_lib.MANIFEST).exists() or (out / ckpt_lib.CHECKPOINTS).exists()):
+    if out.exists() and ((out / rundir.MANIFEST).exists() or (out / rundir.CHECKPOINTS).exists()):
         raise ConversionError(f"--out {out} already holds a run; import into a new directory")
 
 

@@ -37,14 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fractus_jax import model
-from fractus_jax.atom.features import atom_features
+from fractus_jax.atom.features import FEATURE_CONTEXT, atom_features
 from fractus_jax.atom.ids import PAD
 from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
 from fractus_jax.config import EngineConfig
-from fractus_jax.kernels.loss import cross_entropy_terms
+from fractus_jax.kernels.loss import CE_BLOCK, cross_entropy_terms
 
-FEATURE_CONTEXT = 64   # ids before a chunk that its packet features see (the trainer's)
-CE_BLOCK = 1024        # positions per cross-entropy block: the (B, C, V) logits are never whole
 RESET_SEED = 0         # the draws of a probabilistic carry schedule: the same lanes every time
 
 
@@ -217,11 +215,11 @@ def score_chunk(params, carry, restart_R, ids_Bx1pC, feats, cfg: EngineConfig, b
     # (rows are independent under exact routing; one program compiles in a fraction of the time).
     carry = model.reset_state_rows(carry, restart_R)
     fresh = model.init_state(cfg, B)
-    rows = {k: jnp.concatenate([carry[k], fresh[k].astype(carry[k].dtype)], axis=model._STATE_ROW_AXIS[k])
+    rows = {k: jnp.concatenate([carry[k], fresh[k].astype(carry[k].dtype)], axis=model.STATE_ROW_AXIS[k])
             for k in carry}
     repeat = lambda x: None if x is None else jnp.concatenate([x] * (S + 1), axis=0)  # noqa: E731
     h, _, after = model.forward_hidden(params, rows, repeat(inputs), cfg, repeat(feats))
-    carry = {k: jax.lax.slice_in_dim(v, 0, R, axis=model._STATE_ROW_AXIS[k]) for k, v in after.items()}
+    carry = {k: jax.lax.slice_in_dim(v, 0, R, axis=model.STATE_ROW_AXIS[k]) for k, v in after.items()}
     nats = jnp.stack([_nats(params, h[s * B:(s + 1) * B], targets, block) for s in range(S + 1)])
     return nats, carry
 

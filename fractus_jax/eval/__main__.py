@@ -21,6 +21,13 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from fractus_jax.atom import corpus as corpus_lib
+from fractus_jax.atom.corpus import CorpusError
+from fractus_jax.eval import EvalError, Scorer
+from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train.heldout import carry_schedule
+from fractus_jax.train.rundir import CheckpointError
+
 BUILD_HINT = "make one from text with: python -m fractus_jax.atom build --src TEXT_FILE --out HELD_OUT.u16"
 
 
@@ -46,8 +53,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def held_out_ids(run_dir: Path, meta: dict, cfg, corpus: Optional[str]):
     """(ids, a description) of what to score: --corpus, else the run's held-out part."""
-    from fractus_jax.atom import corpus as corpus_lib
-
     vocab = cfg.model.vocab_size
     if corpus:
         c = corpus_lib.open_corpus(corpus)
@@ -77,11 +82,6 @@ def held_out_ids(run_dir: Path, meta: dict, cfg, corpus: Optional[str]):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    from fractus_jax.atom.corpus import CorpusError
-    from fractus_jax.eval import EvalError, Scorer
-    from fractus_jax.train import checkpoint as ckpt_lib
-    from fractus_jax.train.heldout import carry_schedule
-
     def fail(msg):
         print(f"error: {msg}", file=sys.stderr)
         return 2
@@ -106,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         scorer.layout(len(ids))   # too few ids: refused before any array is read
         state, _ = ckpt_lib.restore_one_device(run_dir, step, cfg, items=("params",))
         result = scorer.score(state["params"], ids, progress=not args.no_progress, desc=f"step {step}")
-    except (_UserError, EvalError, CorpusError, ckpt_lib.CheckpointError, OSError) as e:
+    except (_UserError, EvalError, CorpusError, CheckpointError, OSError) as e:
         return fail(str(e) or type(e).__name__)
     out = {**result.to_json(), "step": step, "ckpt": str(run_dir), "corpus": source}
     if args.json:

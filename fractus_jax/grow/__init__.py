@@ -27,8 +27,8 @@ arrays come in, so it can be jitted with the grown run's out_shardings.
 
 This package is the engine's side of growth and depends on the engine and its config
 only. A train state (its TrainConfig, optimizer, mesh and growth record) grows in
-`fractus_jax.train.growth`; `python -m fractus_jax.grow` (`grow.run`) is the command line
-on top of both.
+`fractus_jax.train.growth`, a run directory in `fractus_jax.train.grow_run`;
+`python -m fractus_jax.grow` is the command line on top of both.
 """
 from __future__ import annotations
 

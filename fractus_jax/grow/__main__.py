@@ -14,8 +14,8 @@ import sys
 
 from fractus_jax.atom.corpus import CorpusError
 from fractus_jax.grow import GrowthError, GrowthSpec
-from fractus_jax.grow import run
-from fractus_jax.train.checkpoint import CheckpointError, read_manifest
+from fractus_jax.train import grow_run
+from fractus_jax.train.rundir import CheckpointError, read_manifest
 
 
 def parse_args(argv=None):
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     warn = lambda msg: print(f"warning: {msg}", file=sys.stderr)  # noqa: E731
     try:
         spec = GrowthSpec(args.add_layers, args.add_experts, args.siren_rank)
-        record = run.grow_run(args.ckpt, args.out, spec, args.overrides, hits=args.hits,
+        record = grow_run.grow_run(args.ckpt, args.out, spec, args.overrides, hits=args.hits,
                               probe_rows=args.probe_rows, corpus=args.corpus, seed=args.seed, log=warn)
     except (GrowthError, CheckpointError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     if cap and cap["before"] != cap["after"]:
         print(f"capacity per expert per group of {cap['group_tokens']} tokens: {cap['before']} -> {cap['after']}")
     growth = read_manifest(args.out)["growth"]
-    print("resume with the run's trainer command plus: " + " ".join(f"--set {o}" for o in run.resume_overrides(growth)))
+    print("resume with the run's trainer command plus: " + " ".join(f"--set {o}" for o in grow_run.resume_overrides(growth)))
     print(json.dumps(record, sort_keys=True))
     return 0
 

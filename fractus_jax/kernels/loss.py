@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 from fractus_jax.dtypes import accum_dtype
 
+CE_BLOCK = 1024  # positions per block by default (TrainConfig.ce_chunk, held-out scoring)
+
 
 def _block_terms(h_NxD, W_VxD, targets_N, weight_N, repeat_N):
     logits = jnp.einsum("nd,vd->nv", h_NxD, W_VxD.astype(h_NxD.dtype)).astype(accum_dtype(h_NxD.dtype))
@@ -29,7 +31,7 @@ def _blocks(n: int, chunk: int):
     return chunk, n_blocks, n_blocks * chunk - n
 
 
-def cross_entropy_terms(h_BxCxD, W_VxD, targets_BxC, chunk: int = 1024, weights_BxC=None,
+def cross_entropy_terms(h_BxCxD, W_VxD, targets_BxC, chunk: int = CE_BLOCK, weights_BxC=None,
                         repeat_ids_BxC=None):
     """(mean CE, mean probability of repeating repeat_ids) of softmax(h·Wᵀ), weighted means."""
     d_model = h_BxCxD.shape[-1]
@@ -55,12 +57,12 @@ def cross_entropy_terms(h_BxCxD, W_VxD, targets_BxC, chunk: int = 1024, weights_
     return ce / denom, rp / denom
 
 
-def chunked_cross_entropy(h_BxCxD, W_VxD, targets_BxC, chunk: int = 1024, weights_BxC=None):
+def chunked_cross_entropy(h_BxCxD, W_VxD, targets_BxC, chunk: int = CE_BLOCK, weights_BxC=None):
     """Mean (or weighted mean) cross-entropy of softmax(h·Wᵀ) against targets."""
     return cross_entropy_terms(h_BxCxD, W_VxD, targets_BxC, chunk, weights_BxC)[0]
 
 
-def sample_from_hidden(h_BxCxD, W_VxD, key, temperature: float, chunk: int = 1024):
+def sample_from_hidden(h_BxCxD, W_VxD, key, temperature: float, chunk: int = CE_BLOCK):
     """One id per position from softmax(h·Wᵀ / temperature) (Gumbel-max), block by block."""
     B, C, d_model = h_BxCxD.shape
     h = jax.lax.stop_gradient(h_BxCxD).reshape(-1, d_model)

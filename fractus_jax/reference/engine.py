@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from fractus_jax.atom.ids import BOS, FEAT_DIM
+from fractus_jax.config import COMPILED_PREFIX
 from fractus_jax.reference import functional as Fn
 from fractus_jax.reference.blocks import FractusBlock
-
-_COMPILED_PREFIX = "_orig_mod."
 
 
 class FractusEngine(nn.Module):
@@ -82,13 +81,14 @@ class FractusEngine(nn.Module):
             block.reset_state(batch_size, dtype, device)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """As nn.Module's, plus: a ``_orig_mod.`` prefix is stripped, the carry buffers are
-        re-created at the batch size the state dict holds, and a (B, C, N) kuramoto_phases
-        buffer (as a PyTorch chunk call leaves it) is cut to its last position."""
+        """As nn.Module's, plus: the compiled-module prefix (``COMPILED_PREFIX``) is stripped,
+        the carry buffers are re-created at the batch size the state dict holds, and a
+        (B, C, N) kuramoto_phases buffer (as a PyTorch chunk call leaves it) is cut to its
+        last position."""
         sd = {}
         for key, value in state_dict.items():
-            if key.startswith(_COMPILED_PREFIX):
-                key = key[len(_COMPILED_PREFIX):]
+            if key.startswith(COMPILED_PREFIX):
+                key = key[len(COMPILED_PREFIX):]
             if key.endswith("kuramoto_phases") and value.dim() == 3 and value.shape[1] != 1:
                 value = value[:, -1:, :]
             sd[key] = value

@@ -11,7 +11,7 @@ import jax
 
 from fractus_jax import hostmem
 from fractus_jax.atom.corpus import CorpusError
-from fractus_jax.train import checkpoint, config, data, loop, peers, policy
+from fractus_jax.train import config, data, loop, peers, policy, rundir
 from fractus_jax.train import plan as plan_lib
 from fractus_jax.train.errors import TrainError
 from fractus_jax.train.heldout import carry_schedule
@@ -68,7 +68,7 @@ def peer_lost_line(args, argv, process: int, seconds: float, index: int, count: 
     workdir = Path(args.workdir)
     who = f"process {process}" + (" (it holds the coordination service)" if process == 0 else "")
     try:
-        manifest = checkpoint.read_manifest(workdir)
+        manifest = rundir.read_manifest(workdir)
     except Exception as e:   # noqa: BLE001 - the line names what it can
         manifest, where = None, f"unknown ({e})"
     else:
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
 
 def train(args, argv) -> int:
-    user_errors = (config.ConfigError, TrainError, CorpusError, checkpoint.CheckpointError, data.DataError)
+    user_errors = (config.ConfigError, TrainError, CorpusError, rundir.CheckpointError, data.DataError)
     lead = jax.process_index() == 0
     try:
         cfg = config.apply_overrides(config.load_config(args.config), args.overrides)
@@ -124,7 +124,7 @@ def train(args, argv) -> int:
         if line:
             print(line, file=sys.stderr)
     if lead:
-        print(outputs_summary(args, argv, plan.cfg, checkpoint.read_manifest(args.workdir)), file=sys.stderr)
+        print(outputs_summary(args, argv, plan.cfg, rundir.read_manifest(args.workdir)), file=sys.stderr)
     return 0
 
 

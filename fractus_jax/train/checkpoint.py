@@ -34,8 +34,7 @@ import orbax.checkpoint as ocp
 from fractus_jax.train import rundir
 from fractus_jax.train import state as train_state
 from fractus_jax.train.config import ConfigError, TrainConfig
-from fractus_jax.train.rundir import (CHECKPOINTS, FORMAT_VERSION, MANIFEST, CheckpointError,  # noqa: F401
-                                      read_manifest, write_json_atomic)
+from fractus_jax.train.rundir import CHECKPOINTS, MANIFEST, CheckpointError, read_manifest, write_json_atomic
 
 ITEMS = ("params", "opt_state", "extra", "meta")
 RECENT_COMMITS = 5            # the deadline margin reserves the slowest of this many last saves

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from fractus_jax.config import EngineConfig, field_values
+from fractus_jax.kernels.loss import CE_BLOCK
 
 
 class ConfigError(ValueError):
@@ -63,7 +64,7 @@ class TrainConfig:
     bptt_chunks: int = 1              # the gradient flows through the carry across this many of them (1: detached)
     carry_reset_every: int = 0        # every row's carry reset to the initial one on multiples of this step (0: never)
     carry_reset_prob: float = 0.0     # ... and each row's with this probability at a step's start (from seed, step)
-    ce_chunk: int = 1024              # positions per cross-entropy block
+    ce_chunk: int = CE_BLOCK          # positions per cross-entropy block
     lb_coef: float = 0.02
     repeat_coef: float = 0.0
     ss_rate: float = 0.0              # probability of a scheduled-sampling update per step

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fractus_jax.eval import CarrySchedule, Scorer
+from fractus_jax.eval import CarrySchedule, Scorer, bigram
+from fractus_jax.train import plan as plan_lib
 from fractus_jax.train.config import TrainConfig
 
 
@@ -34,3 +35,16 @@ class HeldOut:
         if s.n_bytes:
             out.update(val_bpb=s.bpb, val_bpb_warm=s.bpb_warm, val_bpb_no_carry=s.bpb_no_carry)
         return out
+
+
+def bigram_baseline(cfg: TrainConfig, alpha: float = 1.0, progress: bool = False) -> dict:
+    """The bigram count baseline of a run (fractus_jax.eval.bigram): fitted on the part of
+    cfg's corpus the lanes read, scored on cfg's held-out slice."""
+    corpus = plan_lib.open_training_corpus(cfg, progress=progress)
+    train, val = plan_lib.split_corpus(corpus, cfg.val_fraction)
+    if cfg.val_corpus:
+        val = plan_lib.open_val_corpus(cfg)
+    plan_lib.check_val_slice(cfg, val)
+    counts = bigram.fit(train.ids, cfg.model.vocab_size)
+    out = bigram.score(counts, np.asarray(val_slice(cfg, val)), cfg.val_lanes, cfg.seq_len, alpha)
+    return {**out, "train_ids": train.n_ids}

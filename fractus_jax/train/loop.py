@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from fractus_jax import sharding
+from fractus_jax.atom.features import FEATURE_CONTEXT
 from fractus_jax.config import WEIGHT_FIELDS
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
@@ -34,7 +35,6 @@ from fractus_jax.train.plan import Plan
 from fractus_jax.train.step import batch_shardings, jit_train_step
 from fractus_jax.train.watch import KeepRateWatch, SkipWatch
 
-FEATURE_CONTEXT = 64  # ids before a chunk that its packet features may look at
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Optional
 
 import jax
 
+from fractus_jax import model
 from fractus_jax.atom import corpus as corpus_lib
 from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
 from fractus_jax.atom.reader import JoinedIds
@@ -22,6 +23,7 @@ from fractus_jax.grow import GrowthError
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import rundir
+from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import TrainConfig, resolve_for_mesh
 from fractus_jax.train.data import DataError, LaneReader
 from fractus_jax.train.errors import TrainError
@@ -363,9 +365,6 @@ def moments_lacking(old: dict, cfg: TrainConfig) -> list[str]:
     was = dataclasses.replace(cfg, **{k: old[k] for k in LOSS_REACH_FIELDS if k in old})
     if was == cfg:
         return []
-    from fractus_jax import model
-    from fractus_jax.train import state as state_lib
-
     abstract = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.PRNGKey(0)))
     now, then = state_lib.optimizer_labels(cfg, abstract), state_lib.optimizer_labels(was, abstract)
     return [jax.tree_util.keystr(p) for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(now)[0],

@@ -18,6 +18,7 @@ from jax.extend import core as jex
 from fractus_jax import model
 from fractus_jax.atom.ids import FEAT_DIM
 from fractus_jax.train.config import TrainConfig
+from fractus_jax.train.objective import LOSS_FIELDS, train_loss
 
 
 def _closed(j):
@@ -86,20 +87,14 @@ def reached(fn, params, *args):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), flags)
 
 
-# The fields `step._loss` reads: configs equal in these share one analysis.
-LOSS_FIELDS = ("batch_size", "seq_len", "feats", "lb_coef", "repeat_coef", "ce_chunk", "bptt_chunks")
-
-
 def loss_reach(cfg: TrainConfig):
-    """reached() of the trainer's loss (`step._loss`, as the step calls it for cfg), on the
+    """reached() of the trainer's loss (`objective.train_loss`, as the step calls it for cfg), on the
     abstract parameters of cfg's model: a tree of bools like the parameters."""
     return _loss_reach(TrainConfig(model=cfg.model, **{k: getattr(cfg, k) for k in LOSS_FIELDS}))
 
 
 @functools.lru_cache(maxsize=16)
 def _loss_reach(cfg: TrainConfig):
-    from fractus_jax.train import step   # step imports the optimizer, which asks this module
-
     abstract = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.PRNGKey(0)))
     carry = jax.eval_shape(lambda: model.init_state(cfg.model, cfg.batch_size))
     ids = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jax.numpy.int32)
@@ -107,6 +102,6 @@ def _loss_reach(cfg: TrainConfig):
              if cfg.feats and cfg.model.is_atom else None)
 
     def loss(p, carry, inputs, targets, feats):
-        return step._loss(p, carry, inputs, targets, feats, cfg, 1.0, carry_grad=cfg.bptt_chunks > 1)[0]
+        return train_loss(p, carry, inputs, targets, feats, cfg, 1.0, carry_grad=cfg.bptt_chunks > 1)[0]
 
     return reached(loss, abstract, carry, ids, ids, feats)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from fractus_jax import model, sharding
+from fractus_jax.train import reach
 from fractus_jax.train.config import TrainConfig
 
 
@@ -56,7 +57,6 @@ def optimizer_labels(cfg: TrainConfig, params, step_unreached=None):
     step_unreached = cfg.step_unreached if step_unreached is None else step_unreached
     trainable = model.trainable_mask(params)
     if not step_unreached:
-        from fractus_jax.train import reach   # reach imports the step, which imports this module
         trainable = jax.tree.map(lambda t, r: t and r, trainable, reach.loss_reach(cfg))
     return jax.tree.map(lambda t: "train" if t else "frozen", trainable)
 

@@ -21,24 +21,13 @@ import optax
 
 from fractus_jax import model, sharding
 from fractus_jax.atom.ids import FEAT_DIM
-from fractus_jax.kernels.loss import cross_entropy_terms, sample_from_hidden
+from fractus_jax.kernels.loss import sample_from_hidden
 from fractus_jax.train.config import TrainConfig
+from fractus_jax.train.objective import train_loss
 from fractus_jax.train.state import learning_rate, make_optimizer
 
 METRIC_NAMES = ("ce_tf", "lb", "grad_norm", "lr", "skipped", "keep_rate", "repeat_prob",
                 "ce_ss", "ss_ran")
-
-
-def _loss(params, carry, inputs_BxC, targets_BxC, feats, cfg: TrainConfig, ce_weight: float,
-          carry_grad: bool = False):
-    h, aux, new_carry = model.forward_hidden(params, carry, inputs_BxC, cfg.model, feats, carry_grad=carry_grad)
-    with jax.named_scope("loss"):
-        ce, repeat = cross_entropy_terms(h, params["observe"], targets_BxC, cfg.ce_chunk,
-                                         repeat_ids_BxC=inputs_BxC)
-    loss = ce_weight * ce + cfg.lb_coef * aux.lb
-    if cfg.repeat_coef:
-        loss = loss + cfg.repeat_coef * repeat
-    return loss, (ce, aux.lb, aux.keep_rate.mean(), repeat, new_carry, h)
 
 
 def accumulate(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg: TrainConfig, ce_weight=1.0):
@@ -51,7 +40,7 @@ def accumulate(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg: TrainCo
     """
     if cfg.bptt_chunks > 1:
         return accumulate_bptt(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg, ce_weight)
-    grad_fn = jax.value_and_grad(_loss, has_aux=True)
+    grad_fn = jax.value_and_grad(train_loss, has_aux=True)
     n = inputs_AxBxC.shape[0]
 
     def chunk(carry, inputs, targets, feats):
@@ -85,7 +74,7 @@ def accumulate_bptt(params, carry, inputs_AxBxC, targets_AxBxC, feats_A, cfg: Tr
     chunk is rematerialised (jax.checkpoint): a group's backward pass keeps K carries and
     recomputes one chunk's activations at a time."""
     A, K = inputs_AxBxC.shape[0], cfg.bptt_chunks
-    chunk_loss = jax.checkpoint(functools.partial(_loss, cfg=cfg, ce_weight=ce_weight, carry_grad=True))
+    chunk_loss = jax.checkpoint(functools.partial(train_loss, cfg=cfg, ce_weight=ce_weight, carry_grad=True))
 
     def group_loss(p, carry, inputs_KxBxC, targets_KxBxC, feats_K):
         def body(carry, xs):

@@ -1,4 +1,6 @@
-"""Grow a run directory: read one checkpoint, check, grow, probe, write a new run directory.
+"""Grow a run directory: read one checkpoint, check, grow, probe, write a new run directory
+(`python -m fractus_jax.grow`; the engine's arrays grow in `fractus_jax.grow`, the train
+state in `fractus_jax.train.growth`).
 
 Everything a user can get wrong is checked before anything is written. The new run is
 written under a temporary name beside --out, then moved into --out (checkpoints, the
@@ -15,8 +17,9 @@ import jax
 import numpy as np
 
 from fractus_jax import grow as grow_lib
-from fractus_jax.grow import GrowthError, GrowthSpec
 from fractus_jax.atom.corpus import CorpusError, open_corpus
+from fractus_jax.grow import GrowthError, GrowthSpec
+from fractus_jax.model import STATE_ROW_AXIS
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import rundir
@@ -91,8 +94,8 @@ def metrics_hits(run_dir: Path, step: int, shape) -> Optional[np.ndarray]:
 
 
 def _rows(carry, n):
-    return {"thought": carry["thought"][:n], "S": carry["S"][:, :n], "z": carry["z"][:, :n],
-            "phase": carry["phase"][:, :n]}
+    """The carry of the first n rows (lanes)."""
+    return {k: v[(slice(None),) * STATE_ROW_AXIS[k] + (slice(0, n),)] for k, v in carry.items()}
 
 
 def grow_run(ckpt, out, growth: GrowthSpec, overrides: Sequence[str] = (), hits: str = "auto",
@@ -157,7 +160,7 @@ def _write(out: Path, state, meta: dict, run_dir: Path, step: int, cfg: TrainCon
             writer.save(state, meta)
         finally:
             writer.close()
-        for name in (ckpt_lib.CHECKPOINTS, METRICS, ckpt_lib.MANIFEST):
+        for name in (rundir.CHECKPOINTS, METRICS, rundir.MANIFEST):
             if (tmp / name).exists():
                 os.replace(tmp / name, out / name)
                 moved.append(out / name)
