@@ -1,7 +1,7 @@
 """Text generation with the Fractus engine: a Python API and ``python -m fractus_jax.generate``.
 
     python -m fractus_jax.generate --ckpt RUN_DIR|RUN_DIR/checkpoints/STEP --prompt "Bonjour, le" [--prompt ...]
-        [--step N] [--max-new 40] [--mode step|window] [--window 64]
+        [--step N] [--max-new 40] [--mode step|window (default: as the run trained)] [--window W]
         [--temperature 0] [--top-k 0] [--seed 0] [--json]
 
 Each prompt is encoded with ``atom.encode_open`` (docs/spec.md §5: BOS, its committed packets,
@@ -104,8 +104,11 @@ def encode_prompts(prompts: Sequence[str]) -> tuple[list, np.ndarray]:
     return encoded, batch
 
 
+DEFAULT_WINDOW = 64   # window mode's width for a run that carried its state across steps
+
+
 def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_new: int = 40,
-             mode: str = "step", window: int = 64, temperature: Optional[float] = None,
+             mode: str = "step", window: int = DEFAULT_WINDOW, temperature: Optional[float] = None,
              top_k: int = 0, seed: int = 0, exact_routing: bool = True) -> list[Generation]:
     """Encode, batch (left-padded), decode and detokenize; one `Generation` per prompt.
 
@@ -154,6 +157,15 @@ def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_
 
 # ----------------------------------------------------------------------------- CLI
 
+def trained_mode(run_dir: str, step: Optional[int] = None) -> tuple[str, Optional[int]]:
+    """(mode, window) the run's checkpoint trained for: ("window", accum·seq_len) when every
+    step started from the initial carry (TrainConfig.trained_window), else ("step", None)."""
+    run, named = ckpt_lib.resolve_checkpoint(run_dir)
+    _, _, cfg = ckpt_lib.read_step(run, named if step is None else step)
+    window = cfg.trained_window()
+    return ("window", window) if window else ("step", None)
+
+
 def load_run(run_dir: str, step: Optional[int] = None):
     """(params, engine_cfg) of a trainer run directory or one of its step directories
     (DIR/checkpoints/<step>), via fractus_jax.train.checkpoint."""
@@ -188,9 +200,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="prompt text; repeat for a batch")
     ap.add_argument("--max-new", type=_max_new, default=40, metavar="N",
                     help=f"ids to generate at most (default 40, at most {MAX_NEW_LIMIT:,})")
-    ap.add_argument("--mode", choices=MODES, default="step",
-                    help="step: C=1 per id, state carried; window: re-run the last W ids from a zero state")
-    ap.add_argument("--window", type=int, default=64, metavar="W", help="window width of --mode window (default 64)")
+    ap.add_argument("--mode", choices=MODES, default=None,
+                    help="step: C=1 per id, state carried; window: re-run the last W ids from a zero state "
+                         "(default: as the run trained: window over accum·seq_len ids when every step started "
+                         "from the initial carry, else step)")
+    ap.add_argument("--window", type=int, default=None, metavar="W",
+                    help="window width of --mode window (default: the run's accum·seq_len, else 64)")
     ap.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, metavar="K",
                     help="with --temperature > 0: sample among the K best (0: all)")
@@ -229,8 +244,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # is the loaded engine's vocab.
     try:
         params, cfg = load_run(args.ckpt, args.step)
-        results = generate(params, cfg, args.prompt, max_new=args.max_new, mode=args.mode,
-                           window=args.window, temperature=args.temperature, top_k=args.top_k,
+        mode, window = (args.mode, None) if args.mode else trained_mode(args.ckpt, args.step)
+        window = args.window if args.window is not None else (window or DEFAULT_WINDOW)
+        results = generate(params, cfg, args.prompt, max_new=args.max_new, mode=mode,
+                           window=window, temperature=args.temperature, top_k=args.top_k,
                            seed=args.seed)
     except (GenerateError, OSError, ValueError, KeyError) as e:
         _fail(str(e) or type(e).__name__)

@@ -173,3 +173,25 @@ def test_the_table_script_prints_a_row_beside_the_bigram(corpus_file, capsys):
     assert table.main(["--config", "tiny", "--set", f"corpus={corpus_file}"]) == 2   # nothing held out
     with pytest.raises(SystemExit):
         table.main(["--config", "tiny", "--table", "9x9"])
+
+
+def test_generate_decodes_as_the_run_trained(corpus_file, tmp_path, capsys):
+    """A run whose every step started from the initial carry, reading accum=2 chunks a step,
+    trained the window function of 2·seq_len ids: `generate` without --mode decodes so; a
+    run that streams its carry decodes in step mode; --mode and --window still choose."""
+    from fractus_jax import generate as gen
+
+    def decoded(workdir, *extra):
+        assert gen.main(["--ckpt", str(workdir), "--prompt", "def f(", "--max-new", "3", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    cfg = tiny(corpus_file, "carry_reset_every=1", "accum=2", "max_steps=1", "save_every=1")
+    _train(cfg, tmp_path / "window")
+    assert cfg.trained_window() == 2 * cfg.seq_len
+    got = decoded(tmp_path / "window")
+    assert (got["mode"], got["window"]) == ("window", 2 * cfg.seq_len)
+    assert (decoded(tmp_path / "window", "--mode", "step")["mode"]) == "step"
+    assert decoded(tmp_path / "window", "--window", "5")["window"] == 5
+    _train(cfg_lib.apply_overrides(cfg, ["carry_reset_every=0"]), tmp_path / "streamed")
+    got = decoded(tmp_path / "streamed")
+    assert (got["mode"], got["window"]) == ("step", None)

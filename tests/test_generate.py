@@ -273,7 +273,7 @@ def test_cli_json_with_load_for_inference_patched(trained, tmp_path, monkeypatch
 def test_cli_user_mistakes_exit_nonzero_without_traceback(tmp_path, monkeypatch, capsys, argv_extra, message):
     _fake_checkpoint_module(monkeypatch, None, CFG, [])    # the decode arguments are checked against the engine
     with pytest.raises(SystemExit) as e:
-        gen.main(["--ckpt", str(tmp_path)] + argv_extra)
+        gen.main(["--ckpt", str(tmp_path), "--mode", "step"] + argv_extra)
     err = capsys.readouterr().err
     assert e.value.code != 0 and err.startswith("error:") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -294,7 +294,7 @@ def test_cli_missing_dir_bad_checkpoint_and_wrong_engine(tmp_path, monkeypatch, 
     parent = config.tiny(variant="parent", vocab_size=300, bos_id=None)
     _fake_checkpoint_module(monkeypatch, None, parent, [])
     with pytest.raises(SystemExit) as e:
-        gen.main(["--ckpt", str(tmp_path), "--prompt", "a"])
+        gen.main(["--ckpt", str(tmp_path), "--prompt", "a", "--mode", "step"])
     assert e.value.code != 0 and "Atom ids" in capsys.readouterr().err
 
 
@@ -356,11 +356,11 @@ def test_cli_says_why_there_is_no_text(tmp_path, monkeypatch, capsys):
     speaking = dataclasses.replace(boundaries_only, text="hi", ids=[104, 105], unique_ids=2, unique_bytes=2,
                                    confidence=[0.9] * 2)
     monkeypatch.setattr(gen, "generate", lambda *a, **k: [boundaries_only])
-    assert gen.main(["--ckpt", str(tmp_path), "--prompt", "def main("]) == 0
+    assert gen.main(["--ckpt", str(tmp_path), "--prompt", "def main(", "--mode", "step"]) == 0
     out = capsys.readouterr().out
     assert "# no text: the 40 ids were all boundaries" in out and "60-step model" in out, out
     monkeypatch.setattr(gen, "generate", lambda *a, **k: [speaking])
-    assert gen.main(["--ckpt", str(tmp_path), "--prompt", "def main("]) == 0
+    assert gen.main(["--ckpt", str(tmp_path), "--prompt", "def main(", "--mode", "step"]) == 0
     assert "no text" not in capsys.readouterr().out
 
 
@@ -370,7 +370,7 @@ def test_cli_user_mistakes_exit_2(tmp_path, monkeypatch, capsys):
     assert e.value.code == 2 and capsys.readouterr().err.startswith("error: ")
     _fake_checkpoint_module(monkeypatch, None, CFG, [])
     with pytest.raises(SystemExit) as e:
-        gen.main(["--ckpt", str(tmp_path), "--prompt", "a", "--max-new", "0"])
+        gen.main(["--ckpt", str(tmp_path), "--prompt", "a", "--max-new", "0", "--mode", "step"])
     assert e.value.code == 2
 
 
