@@ -184,8 +184,9 @@ def test_two_processes_on_localhost_match_one(corpus_file, start, tmp_path):
     a, b = params(workdir), params(one)
     assert ckpt_lib.read_manifest(workdir)["step"] == 2
     assert changed_leaves(b, start["params"])   # the run trained
-    # gloo sums in another order than one process
-    print("worst leaf difference / its change:", assert_trained_alike(a, b, start["params"], MESH_BOUND))
+    # gloo sums in another order than one process; the two processes' initialisation rounds
+    # otherwise too (an untrained head differed by 3.4e-8 of its norm): floor 1e-6
+    print("worst leaf difference / its change:", assert_trained_alike(a, b, start["params"], MESH_BOUND, floor=1e-6))
 
 
 def test_plan_reports_the_sharded_step_memory(corpus_file):
@@ -204,7 +205,7 @@ def test_plan_reports_the_sharded_step_memory(corpus_file):
     # With the atom features fed, the planned step takes them too: (A, B, C, 320) float32
     # more arguments, rows split over all 8 devices (data × fsdp), as the trainer feeds them;
     # and atom_feat, which the loss now reaches, gets its moments.
-    feats = plan(cfg_lib.resolve_for_mesh(cfg_lib.apply_overrides(_cfg(corpus_file, 2, 4),
+    feats = plan_memory(cfg_lib.resolve_for_mesh(cfg_lib.apply_overrides(_cfg(corpus_file, 2, 4),
                                                                   [*TWO_PROCESS_RUN, "feats=true"])))
     moments = feats["opt_state_bytes_per_device"] - eight["opt_state_bytes_per_device"]
     assert moments > 0
