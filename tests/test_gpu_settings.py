@@ -161,10 +161,13 @@ def test_sharded_steps_differ_from_one_device_by_a_small_part_of_each_leafs_upda
     assert trained >= 20
     print(f"{mesh}: |Δ|/|update| whole tree {np.sqrt(diff2 / upd2):.2e}, worst leaf {worst[1]} {worst[0]:.2e}")
     assert np.sqrt(diff2 / upd2) <= TREE_TOL, np.sqrt(diff2 / upd2)
-    # the carried state after the same lanes (measured 7e-4 at most, the thought)
+    # the carried state after the same lanes (measured 7e-4 at most, the thought); the
+    # phases are angles in [0, 2π), so theirs is the difference around the circle (a phase
+    # just under 2π on one mesh may be just over 0 on the other)
     for name, a in other["carry"].items():
         a, b = np.asarray(a, np.float64), np.asarray(one["carry"][name], np.float64)
-        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), name
+        d = np.angle(np.exp(1j * (a - b))) if name == "phase" else a - b
+        assert np.linalg.norm(d) <= 1e-2 * np.linalg.norm(b), name
 
 
 # ----------------------------------------------------------------------------- export, import, eval, generate
