@@ -120,13 +120,14 @@ def run_timed_row(base: cfg_lib.TrainConfig, overrides: list[str], workdir: Path
     params, _ = ckpt_lib.load_for_inference(workdir)
     train, val = plan_lib.split_corpus(plan_lib.open_training_corpus(cfg, progress=False), cfg.val_fraction)
     held = HeldOut(cfg, val).run(params)
-    speech = probes_lib.Prober(cfg, train).run(params)
+    prober = probes_lib.Prober(cfg, train)
+    speech = prober.run(params)
     rates = [m["ids_per_s_tf"] for m in records if "ids_per_s_tf" in m]
     return {"steps": max(m["step"] for m in records if "step" in m),
             "ids_per_step": cfg.batch_size * cfg.seq_len * cfg.accum,
             **{k: held[k] for k in FIGURES},
             "speech_unique_ids": speech["speech_unique_ids"], "speech_unique_bytes": speech["speech_unique_bytes"],
-            "speech_text": speech["speech_text"], "speech_mode": probes_lib.Prober(cfg, train).speech_mode,
+            "speech_text": speech["speech_text"], "speech_mode": prober.speech_mode,
             "ids_per_s": statistics.median(rates) if rates else None}
 
 

@@ -108,21 +108,19 @@ async def rename_hook(src, dst):
     return out
 async_path.rename = rename_hook
 
-# checkpoint.write_checksums: RunCheckpointer.wait records a committed step's checksums.
-write_checksums = ckpt_lib.write_checksums
-def write_checksums_hook(step_dir, finite):
-    reached(f"checksums {step_dir.name}")
-    write_checksums(step_dir, finite)
-    reached(f"checksummed {step_dir.name}")
-ckpt_lib.write_checksums = write_checksums_hook
+def around(module, name, before, after):
+    """module.name reports before(*args) as it starts and after(*args) once it returned."""
+    real = getattr(module, name)
+    def hook(*args):
+        reached(before(*args))
+        real(*args)
+        reached(after(*args))
+    setattr(module, name, hook)
 
+# checkpoint.write_checksums: RunCheckpointer.wait records a committed step's checksums.
+around(ckpt_lib, "write_checksums", lambda d, _: f"checksums {d.name}", lambda d, _: f"checksummed {d.name}")
 # rundir.write_manifest: then RunCheckpointer.wait writes the manifest that names the step.
-write_manifest = rundir.write_manifest
-def write_manifest_hook(workdir, meta):
-    reached(f"manifest {meta['step']}")
-    write_manifest(workdir, meta)
-    reached(f"manifested {meta['step']}")
-rundir.write_manifest = write_manifest_hook
+around(rundir, "write_manifest", lambda _, m: f"manifest {m['step']}", lambda _, m: f"manifested {m['step']}")
 
 cfg = TrainConfig.from_dict(args["config"])
 loop.run(plan_lib.prepare(cfg, args["workdir"], progress=False), progress=False, log=print)
