@@ -70,7 +70,7 @@ class EngineConfig:
     moe_shards: int = 1
     attn_block_size: int = 64
     # "auto": the forms tuned for XLA:CPU on a CPU backend, the plain formulation elsewhere;
-    # "plain" or "cpu" force one (fractus_jax/kernels/select.py; the same function either way).
+    # "plain" or "cpu" force one (fractus_jax/kernels/select.py: kernels/plain.py or kernels/cpu.py, the same function).
     kernels: str = "auto"
     compute_dtype: str = "float32"
     remat: bool = False

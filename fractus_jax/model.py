@@ -22,11 +22,11 @@ import numpy as np
 from fractus_jax.atom import ids as atom_ids
 from fractus_jax.config import EngineConfig
 from fractus_jax.dtypes import accum_dtype
-from fractus_jax.kernels import attention as attn_k
 from fractus_jax.kernels import kuramoto as kur_k
 from fractus_jax.kernels import mixed
 from fractus_jax.kernels import moe as moe_k
 from fractus_jax.kernels import select
+from fractus_jax.kernels import streams
 
 BOUNDARY_IDS = (atom_ids.BOUNDARY_FIRST, atom_ids.BOUNDARY_LAST)  # atom features enter at boundary ids, inclusive range (docs/spec.md §5)
 BUFFER_NAMES = ("level_offsets", "expert_phases")
@@ -173,176 +173,43 @@ def _dtypes(params: Params, cfg: EngineConfig):
     return acc, (acc if acc == jnp.float64 else jnp.dtype(cfg.compute_dtype))
 
 
-def _normalized(x, eps):
-    mu = x.mean(-1, keepdims=True)
-    xc = x - mu
-    rstd = jax.lax.rsqrt(jnp.square(xc).mean(-1, keepdims=True) + eps)
-    return xc * rstd, rstd
-
-
-def layer_norm(x, p, eps, cpu_tuned: bool = False):
-    """LayerNorm over the last axis. cpu_tuned (the CPU form "layer_norm",
-    kernels/select.py): the same with the textbook backward written out (custom_vjp, reverse
-    mode only), which kept XLA:CPU from fusing each layer's residual gradient into its
-    neighbours' and recomputing it there."""
-    with jax.named_scope("layernorm"):
-        if cpu_tuned:
-            return _layer_norm(x, p, eps)
-        xhat, _ = _normalized(x, eps)
-        return xhat * p["weight"] + p["bias"]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _layer_norm(x, p, eps):
-    xhat, _ = _normalized(x, eps)
-    return xhat * p["weight"] + p["bias"]
-
-
-def _layer_norm_fwd(x, p, eps):
-    xhat, rstd = _normalized(x, eps)
-    return xhat * p["weight"] + p["bias"], (xhat, rstd, p["weight"])
-
-
-def _layer_norm_bwd(eps, residuals, dy):
-    xhat, rstd, weight = residuals
-    g = dy * weight
-    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
-    rows = tuple(range(dy.ndim - 1))
-    return dx, {"weight": (dy * xhat).sum(rows), "bias": dy.sum(rows)}
-
-
-_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
-
-
-def _heads(t_BxCxD, n_heads):
-    B, C, D = t_BxCxD.shape
-    return t_BxCxD.reshape(B, C, n_heads, D // n_heads).transpose(0, 2, 1, 3)
-
-
-def _project_qkv(x_BxCxD, w_Dx3xD, b_3xD, mm_dtype):
-    B, C, D = x_BxCxD.shape
-    # One (D, 3D) matmul rather than three: w[:, j] is (D_in, D_out).
-    w = w_Dx3xD.reshape(D, 3 * D)
-    if jnp.dtype(mm_dtype) == w.dtype:
-        return (x_BxCxD.astype(mm_dtype) @ w).astype(x_BxCxD.dtype) + b_3xD.reshape(3 * D)
-    return mixed.einsum("bcd,de->bce", x_BxCxD, w, mm_dtype, x_BxCxD.dtype) + b_3xD.reshape(3 * D)
-
-
-def _qkv_heads(x_BxCxD, w_Dx3xD, b_3xD, n_heads, mm_dtype):
-    """q, k, v (B, H, C, dH): the projection split into heads."""
-    qkv = _project_qkv(x_BxCxD, w_Dx3xD, b_3xD, mm_dtype)
-    D = x_BxCxD.shape[-1]
-    return tuple(_heads(qkv[..., j * D:(j + 1) * D], n_heads) for j in range(3))
-
-
-def _features_impl(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype):
-    q, k, v = _qkv_heads(x_BxCxD, w_Dx3xD, b_3xD, n_heads, mm_dtype)
-    levels = range(offsets.shape[0])
-    return (tuple(attn_k.elu1(q + offsets[l]) for l in levels),
-            tuple(attn_k.elu1(k + offsets[l]) for l in levels), v)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def qkv_features(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype):
-    """((qf_l), (kf_l), v): the projection, split into heads (B, H, C, dH), and the feature
-    maps elu1(q + ω_l), elu1(k + ω_l) of every level l. The CPU form "qkv_features"
-    (kernels/select.py) of `_attention`'s plain features.
-
-    The backward is written out (custom_vjp): autodiff's form let XLA:CPU fuse the two
-    levels' gradients, the elu1 derivative (max/min with their tie rule, recomputed from
-    qkv), the heads transposes and the pads of the three slices into one large loop per
-    layer. Here the feature derivative is read off the saved output, elu1'(u) =
-    min(elu1(u), 1), and the three gradients are concatenated, not padded and added. ω gets
-    no gradient: level_offsets is a buffer.
-    """
-    return _features_impl(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype)
-
-
-def _qkv_features_fwd(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype):
-    out = _features_impl(x_BxCxD, w_Dx3xD, b_3xD, offsets, n_heads, mm_dtype)
-    qf, kf, _ = out
-    return out, (x_BxCxD, w_Dx3xD, b_3xD, qf, kf, offsets)
-
-
-def _qkv_features_bwd(n_heads, mm_dtype, residuals, cotangents):
-    x_BxCxD, w_Dx3xD, b_3xD, qf, kf, offsets = residuals
-    dqf, dkf, dv = cotangents
-    B, C, D = x_BxCxD.shape
-    dq = sum(d * jnp.minimum(f, 1.0) for d, f in zip(dqf, qf))
-    dk = sum(d * jnp.minimum(f, 1.0) for d, f in zip(dkf, kf))
-    # One stack-and-transpose out of the heads layout: XLA fuses it (with the feature
-    # derivatives) into one loop, where three transposes and a concatenation were four.
-    d_BxCx3D = jnp.stack([dq, dk, dv], 2).transpose(0, 3, 2, 1, 4).reshape(B, C, 3 * D)
-    d_mm = d_BxCx3D.astype(mm_dtype)
-    w = w_Dx3xD.reshape(D, 3 * D).astype(mm_dtype)
-    dx = (d_mm @ w.T).astype(x_BxCxD.dtype)
-    # float32 sums (and float32 partial sums across devices) for the weight's gradient
-    dw = jnp.einsum("bcd,bce->de", x_BxCxD.astype(mm_dtype), d_mm,
-                    preferred_element_type=jnp.promote_types(mm_dtype, jnp.float32)).astype(w_Dx3xD.dtype)
-    db = d_BxCx3D.sum((0, 1)).reshape(3, D)
-    return dx, dw.reshape(D, 3, D), db.astype(b_3xD.dtype), jnp.zeros_like(offsets)
-
-
-qkv_features.defvjp(_qkv_features_fwd, _qkv_features_bwd)
-
-
 @jax.named_scope("attention")
-def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, mm_dtype):
+def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, forms: select.Forms, mm_dtype):
+    """Causal linear attention at every level l (features elu1(· + ω_l)), mixed by
+    softmax(level_logits), with the carried (S, z) the levels' mean (docs/spec.md §3.1)."""
     B, C, D = x_BxCxD.shape
-    H, dH, Lv = cfg.n_heads, cfg.d_head, cfg.n_levels
     acc = S_BxHxdxd.dtype
-    x, w_Dx3xD, offsets = x_BxCxD.astype(acc), p["w_qkv"].transpose(1, 0, 2), jax.lax.stop_gradient(p["level_offsets"])
-    if select.cpu_tuned(cfg.kernels, "qkv_features"):
-        qf, kf, v = qkv_features(x, w_Dx3xD, p["b_qkv"], offsets, H, mm_dtype)   # per level
-    else:
-        q, k, v = _qkv_heads(x, w_Dx3xD, p["b_qkv"], H, mm_dtype)               # (B, H, C, dH)
-        omega = offsets[:, None, None, None, None]
-        qf, kf = attn_k.elu1(q + omega), attn_k.elu1(k + omega)                  # (Lv, B, H, C, dH)
-    mix = jax.nn.softmax(p["level_logits"])
-    one_block = select.cpu_tuned(cfg.kernels, "one_block")
-    if select.cpu_tuned(cfg.kernels, "level_slices"):
-        # The CPU form: one kernel call per level, no stacked copies of v and the carry, and
-        # the carry's level mean a sum of slices, not a reduction over a level axis.
-        a, S_sum, z_sum = 0.0, 0.0, 0.0
-        for l in range(Lv):
-            y, S_l, z_l = attn_k.linear_attention(qf[l], kf[l], v, S_BxHxdxd, z_BxHxd, reset_BxC[:, None, :],
-                                                  block_size=cfg.attn_block_size, cpu_tuned=one_block)
-            a, S_sum, z_sum = a + mix[l] * y, S_sum + S_l, z_sum + z_l
-        new_S, new_z = S_sum / Lv, z_sum / Lv
-    else:
-        if isinstance(qf, tuple):                    # the features came per level
-            qf, kf = jnp.stack(qf), jnp.stack(kf)
-        y, S_l, z_l = attn_k.linear_attention(qf, kf, jnp.broadcast_to(v, qf.shape), S_BxHxdxd, z_BxHxd,
-                                              reset_BxC[:, None, :], block_size=cfg.attn_block_size,
-                                              cpu_tuned=one_block)
-        a = jnp.einsum("l,lbhcd->bhcd", mix, y)
-        new_S, new_z = S_l.mean(0), z_l.mean(0)
-    a = a.transpose(0, 2, 1, 3).reshape(B, C, H * dH)
-    out = mixed.einsum("bcd,de->bce", a, p["w_out"], mm_dtype, acc)
-    return out + p["b_out"], new_S, new_z
+    w_Dx3xD, omega_L = p["w_qkv"].transpose(1, 0, 2), jax.lax.stop_gradient(p["level_offsets"])
+    qf, kf, v_BxHxCxd = forms.qkv_features(x_BxCxD.astype(acc), w_Dx3xD, p["b_qkv"], omega_L, cfg.n_heads, mm_dtype)
+    mix_L = jax.nn.softmax(p["level_logits"])
+    a_BxHxCxd, S, z = forms.level_attention(qf, kf, v_BxHxCxd, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L,
+                                            cfg.attn_block_size, forms.linear_attention)
+    a_BxCxD = a_BxHxCxd.transpose(0, 2, 1, 3).reshape(B, C, D)
+    return mixed.einsum("bcd,de->bce", a_BxCxD, p["w_out"], mm_dtype, acc) + p["b_out"], S, z
 
 
 @jax.named_scope("kuramoto")
-def _phases(p, y_BxCxD, cfg: EngineConfig):
+def _phases(p, y_BxCxD, cfg: EngineConfig, forms: select.Forms):
+    """The oscillators' phases after RK4 from the position's base phase (docs/spec.md §3.2)."""
     if cfg.is_atom:
-        base = jnp.einsum("bcd,d->bc", y_BxCxD, p["phase_proj"]["weight"][0]) + p["phase_proj"]["bias"][0]
+        base_BxC = jnp.einsum("bcd,d->bc", y_BxCxD, p["phase_proj"]["weight"][0]) + p["phase_proj"]["bias"][0]
     else:
-        base = kur_k.mean_phase_encoding(y_BxCxD)
-    theta0 = kur_k.initial_phases(base, cfg.n_oscillators)
-    return kur_k.integrate(theta0, p["omega"], p["coupling_u"], p["coupling_lambda"],
+        base_BxC = kur_k.mean_phase_encoding(y_BxCxD)
+    theta0_BxCxN = kur_k.initial_phases(base_BxC, cfg.n_oscillators)
+    return kur_k.integrate(theta0_BxCxN, p["omega"], p["coupling_u"], p["coupling_lambda"],
                            n_steps=cfg.kuramoto_steps, dt=cfg.kuramoto_dt, damping=cfg.kuramoto_damping,
-                           cpu_tuned=select.cpu_tuned(cfg.kernels, "sincos"))
+                           sin_cos=forms.sin_cos)
 
 
 @jax.named_scope("moe")
-def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, mm_dtype):
+def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, forms: select.Forms, mm_dtype):
+    """Phase-routed top-k of the low-rank experts (docs/spec.md §3.3-3.4): (y, routing stats)."""
     B, C, D = x_BxCxD.shape
     E, K = cfg.n_experts, cfg.top_k
     psi = theta_BxCxN if cfg.is_atom else jnp.broadcast_to(theta_BxCxN[:, -1:], theta_BxCxN.shape)
-    trig_cpu = select.cpu_tuned(cfg.kernels, "sincos")
-    g = moe_k.gates(moe_k.mean_phase(psi, trig_cpu), jax.lax.stop_gradient(p["expert_phases"]),
-                    cfg.moe_kappa / cfg.gate_temperature, trig_cpu)           # (B, C, E)
-    idx, w = moe_k.top_k_route(g, K)
+    g_BxCxE = moe_k.gates(moe_k.mean_phase(psi, forms.sin_cos), jax.lax.stop_gradient(p["expert_phases"]),
+                          cfg.moe_kappa / cfg.gate_temperature, forms.sin_cos)
+    idx, w = moe_k.top_k_route(g_BxCxE, K)
     if cfg.capacity_factor is None:           # groups only keep tokens on their device
         n_groups = cfg.moe_shards if B % cfg.moe_shards == 0 else 1
     else:
@@ -361,22 +228,26 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, mm_dtype):
         kept = jnp.ones(idx_GxTxK.shape, bool)
     else:
         capacity = moe_k.expert_capacity(T, E, K, cfg.capacity_factor)
-        y, kept = moe_k.moe_capacity(x_GxTxD, idx_GxTxK, w_GxTxK, factors, capacity)
+        y, kept = moe_k.moe_capacity(x_GxTxD, idx_GxTxK, w_GxTxK, factors, capacity, forms.combine)
     hits = jnp.einsum("tk,tke->e", kept.reshape(-1, K).astype(jnp.float32),
                       jax.nn.one_hot(idx.reshape(-1, K), E, dtype=jnp.float32))
-    stats = (kept.mean(dtype=jnp.float32), hits, g.reshape(-1, E).mean(0), idx)
+    stats = (kept.mean(dtype=jnp.float32), hits, g_BxCxE.reshape(-1, E).mean(0), idx)
     return y.reshape(B, C, D).astype(x_BxCxD.dtype), stats
 
 
-def block_forward(p, h_BxCxD, carry, reset_BxC, cfg: EngineConfig, mm_dtype):
+def block_forward(p, h_BxCxD, carry, reset_BxC, cfg: EngineConfig, mm_dtype, forms: select.Forms | None = None):
     """One block on a chunk: (h, (S, z, phase)) → (h, (S, z, phase), stats)."""
+    forms = forms or select.forms(cfg.kernels)
     S, z, _ = carry
-    ln_cpu = select.cpu_tuned(cfg.kernels, "layer_norm")
-    a, S, z = _attention(p["attn"], layer_norm(h_BxCxD, p["norm_attn"], cfg.ln_eps, ln_cpu), S, z,
-                         reset_BxC, cfg, mm_dtype)
+
+    def norm(x, q):
+        with jax.named_scope("layernorm"):
+            return forms.layer_norm(x, q, cfg.ln_eps)
+
+    a, S, z = _attention(p["attn"], norm(h_BxCxD, p["norm_attn"]), S, z, reset_BxC, cfg, forms, mm_dtype)
     h = h_BxCxD + a
-    theta = _phases(p["kuramoto"], layer_norm(h, p["norm_kur"], cfg.ln_eps, ln_cpu), cfg)
-    m, stats = _moe(p["moe"], layer_norm(h, p["norm_moe"], cfg.ln_eps, ln_cpu), theta, cfg, mm_dtype)
+    theta = _phases(p["kuramoto"], norm(h, p["norm_kur"]), cfg, forms)
+    m, stats = _moe(p["moe"], norm(h, p["norm_moe"]), theta, cfg, forms, mm_dtype)
     return h + m, (S, z, theta[:, -1]), stats
 
 
@@ -400,14 +271,15 @@ def embed(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
     return h, reset
 
 
-def _stream_forward(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats):
-    """Embedding and every layer for one slice of rows: (h, new_state, per-layer stats)."""
+def _forward_rows(params: Params, state: State, ids_BxC, feats, cfg: EngineConfig):
+    """Embedding and every layer: (h, new_state, per-layer routing stats)."""
     acc, mm_dtype = _dtypes(params, cfg)
+    forms = select.forms(cfg.kernels)
     h, reset = embed(params, state, ids_BxC, cfg, feats)
 
     def layer(h, xs):
         p, S, z, phase = xs
-        h, (S, z, phase), stats = block_forward(p, h, (S, z, phase), reset, cfg, mm_dtype)
+        h, (S, z, phase), stats = block_forward(p, h, (S, z, phase), reset, cfg, mm_dtype, forms)
         return h, (S, z, phase, stats)
 
     if cfg.remat:
@@ -415,6 +287,14 @@ def _stream_forward(params: Params, state: State, ids_BxC, cfg: EngineConfig, fe
     carry_in = (state["S"].astype(acc), state["z"].astype(acc), state["phase"].astype(acc))
     h, (S, z, phase, stats) = jax.lax.scan(layer, h, (params["blocks"], *carry_in), unroll=cfg.scan_unroll)
     return h, {"thought": h[:, -1], "S": S, "z": z, "phase": phase}, stats
+
+
+# Row streams (cfg.row_streams, one device): the rows run as independent slices, joined
+# only by the load balance, whose P_e is the mean of the streams' (equal row counts: the
+# mean over every token). Per output: rows concatenated on an axis, or a sum or mean over
+# the streams; the stats are (keep rate, expert hits, gate mean, expert choices).
+_STREAM_IN_AXES = (None, STATE_ROW_AXIS, 0, 0)
+_STREAM_OUT_AXES = (0, STATE_ROW_AXIS, ("mean", "sum", "mean", 1))
 
 
 def as_arrays(tree):
@@ -434,27 +314,15 @@ def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, fea
     layers and state), joined only by the load balance, whose P_e is the mean of the
     streams' (equal row counts: the mean over every token)."""
     params, state, ids_BxC, feats = as_arrays((params, state, ids_BxC, feats))
-    B = ids_BxC.shape[0]
+    forward = functools.partial(_forward_rows, cfg=cfg)
     n = cfg.row_streams
-    rows = B // n
-    if n > 1 and (B % n or cfg.moe_group_rows == 0 or rows % cfg.moe_group_rows):
-        raise ValueError(f"batch {B} does not split into {n} row streams of whole MoE dispatch "
-                         f"groups (moe_group_rows={cfg.moe_group_rows}; 0 makes the batch one group)")
-    outs = []
-    for i in range(n):
-        part = slice(i * rows, (i + 1) * rows)
-        st = {k: jax.lax.slice_in_dim(v, i * rows, (i + 1) * rows, axis=STATE_ROW_AXIS[k])
-              for k, v in state.items()}
-        outs.append(_stream_forward(params, st, ids_BxC[part], cfg, None if feats is None else feats[part]))
-    if n == 1:
-        h, new_state, (keep, hits, gate_mean, idx) = outs[0]
-    else:
-        h = jnp.concatenate([o[0] for o in outs], 0)
-        new_state = {k: jnp.concatenate([o[1][k] for o in outs], STATE_ROW_AXIS[k]) for k in state}
-        keep = sum(o[2][0] for o in outs) / n
-        hits = sum(o[2][1] for o in outs)
-        gate_mean = sum(o[2][2] for o in outs) / n
-        idx = jnp.concatenate([o[2][3] for o in outs], 1)
+    if n > 1:
+        B = ids_BxC.shape[0]
+        if B % n or cfg.moe_group_rows == 0 or (B // n) % cfg.moe_group_rows:
+            raise ValueError(f"batch {B} does not split into {n} row streams of whole MoE dispatch "
+                             f"groups (moe_group_rows={cfg.moe_group_rows}; 0 makes the batch one group)")
+        forward = streams.in_row_streams(forward, n, _STREAM_IN_AXES, _STREAM_OUT_AXES)
+    h, new_state, (keep, hits, gate_mean, idx) = forward(params, state, ids_BxC, feats)
     if not carry_grad:
         new_state = jax.lax.stop_gradient(new_state)
     lb = moe_k.load_balance_of_means(gate_mean)                    # (layers,)

@@ -6,9 +6,12 @@ import pytest
 from jax.test_util import check_grads
 
 from fractus_jax.kernels import attention as A
+from fractus_jax.kernels import cpu
 from fractus_jax.kernels import kuramoto as K
 from fractus_jax.kernels import mixed
 from fractus_jax.kernels import moe as M
+from fractus_jax.kernels import plain
+from fractus_jax.kernels import select
 from fractus_jax.kernels.loss import chunked_cross_entropy
 from fractus_jax.kernels.trig import sincos
 
@@ -48,7 +51,7 @@ def test_chunkwise_attention_equals_position_scan(block):
     y_ref, S_ref, z_ref = A.linear_attention_reference(*inputs)
     y, S, z = A.linear_attention(*inputs, block_size=block)
     # the CPU form (no block axis for one block, block 64 > C) computes the same
-    for got, want in zip(A.linear_attention(*inputs, block_size=block, cpu_tuned=True), (y, S, z)):
+    for got, want in zip(A.linear_attention(*inputs, block_size=block, one_block_axis=False), (y, S, z)):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     # The test can fail: the resets change the outputs they should change.
     y_noreset, _, _ = A.linear_attention_reference(*inputs[:5], jnp.zeros((B, C), bool))
@@ -267,9 +270,9 @@ def test_elu1_is_elu_plus_one_with_its_derivative_at_zero():
     assert float(d[3]) == 1.0   # both one-sided derivatives are 1 at 0
 
 
-@pytest.mark.parametrize("cpu_tuned", [False, True])
-def test_layer_norm_backward_is_the_gradient_of_its_definition(cpu_tuned):
-    from fractus_jax.model import layer_norm
+@pytest.mark.parametrize("forms", [plain, cpu], ids=["plain", "cpu"])
+def test_layer_norm_backward_is_the_gradient_of_its_definition(forms):
+    layer_norm = forms.layer_norm
 
     def definition(x, p, eps=1e-5):
         mu = x.mean(-1, keepdims=True)
@@ -281,13 +284,13 @@ def test_layer_norm_backward_is_the_gradient_of_its_definition(cpu_tuned):
     p = {"weight": jax.random.normal(ks[1], (24,), jnp.float64),
          "bias": jax.random.normal(ks[2], (24,), jnp.float64)}
     probe = jax.random.normal(ks[3], (2, 5, 24), jnp.float64)
-    ours = jax.grad(lambda x, p: jnp.sum(layer_norm(x, p, 1e-5, cpu_tuned) * probe), argnums=(0, 1))(x, p)
+    ours = jax.grad(lambda x, p: jnp.sum(layer_norm(x, p, 1e-5) * probe), argnums=(0, 1))(x, p)
     want = jax.grad(lambda x, p: jnp.sum(definition(x, p) * probe), argnums=(0, 1))(x, p)
-    np.testing.assert_allclose(layer_norm(x, p, 1e-5, cpu_tuned), definition(x, p), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(layer_norm(x, p, 1e-5), definition(x, p), rtol=1e-12, atol=1e-12)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want)):
         assert float(jnp.max(jnp.abs(b))) > 1e-3          # a real gradient to compare
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-    check_grads(lambda x, w, b: layer_norm(x, {"weight": w, "bias": b}, 1e-5, cpu_tuned),
+    check_grads(lambda x, w, b: layer_norm(x, {"weight": w, "bias": b}, 1e-5),
                 (x, p["weight"], p["bias"]), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
 
 
@@ -312,3 +315,58 @@ def test_bfloat16_products_give_float32_weight_gradients_summed_in_float32():
     np.testing.assert_array_equal(mixed.einsum("bcd,de->bce", x, w, jnp.float32), jnp.einsum("bcd,de->bce", x, w))
     with pytest.raises(ValueError, match="transpose"):
         mixed.einsum("bcd,df->bc", x, w, jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- the CPU forms
+
+def _form_cases():
+    """Per kernel form: (differentiable inputs, the call's other arguments), float64."""
+    ks = iter(jax.random.split(jax.random.PRNGKey(11), 16))
+    rnd = lambda *shape: jax.random.normal(next(ks), shape, jnp.float64)  # noqa: E731
+    B, C, D, H, L = 2, 12, 16, 4, 2
+    d = D // H
+    reset = jnp.zeros((B, C), bool).at[1, 5].set(True)
+    qf, kf = A.elu1(rnd(L, B, H, C, d)), A.elu1(rnd(L, B, H, C, d))
+    v, S, z = rnd(B, H, C, d), jnp.abs(rnd(B, H, d, d)), jnp.abs(rnd(B, H, d))
+    omega = jnp.asarray([1.0, 0.38])
+    return {
+        "sin_cos": ((40.0 * rnd(3, 7),), ()),
+        "layer_norm": ((3.0 * rnd(B, C, D) + 1.0, {"weight": rnd(D), "bias": rnd(D)}), (1e-5,)),
+        "qkv_features": ((rnd(B, C, D), rnd(D, 3, D) / 4, rnd(3, D)), (omega, H, jnp.float64)),
+        # one block (64 > C), where the CPU form drops the block axis
+        "linear_attention": ((qf[0], kf[0], v, S, z), (reset[:, None, :], 64)),
+        "level_attention": ((qf, kf, v, S, z), (reset, jax.nn.softmax(rnd(L)), 5, plain.linear_attention)),
+        "combine": ((rnd(3, 2, 5), rnd(3, 2, 5, D)), ()),
+    }
+
+
+def _outputs(out):
+    """A form's outputs as a list of arrays, per-level tuples (the CPU qkv_features') stacked."""
+    return [jnp.stack(o) if isinstance(o, tuple) else o for o in (out if isinstance(out, tuple) else (out,))]
+
+
+@pytest.mark.parametrize("name", select.Forms._fields)
+def test_each_cpu_form_computes_its_plain_form_in_float64(name):
+    """kernels/cpu.py form by form against kernels/plain.py: outputs and the gradient of
+    every differentiable input in float64, and the two are different programs."""
+    diff, rest = _form_cases()[name]
+    forms = {"plain": select.PLAIN, "cpu": select.CPU}
+
+    def outputs(side, *a):
+        return _outputs(getattr(forms[side], name)(*a, *rest))
+
+    want, got = outputs("plain", *diff), outputs("cpu", *diff)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
+    cts = [jax.random.normal(jax.random.PRNGKey(i), o.shape, o.dtype) for i, o in enumerate(want)]
+
+    def loss(side):
+        return lambda *a: sum(jnp.vdot(o, c) for o, c in zip(outputs(side, *a), cts))
+
+    argnums = tuple(range(len(diff)))
+    g_plain, g_cpu = (jax.grad(loss(side), argnums)(*diff) for side in forms)
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_cpu), strict=True):
+        assert float(jnp.abs(a).max()) > 1e-3              # a real gradient to compare
+        np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-11)
+    programs = [str(jax.make_jaxpr(jax.grad(loss(side), argnums))(*diff)) for side in forms]
+    assert programs[0] != programs[1]

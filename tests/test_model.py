@@ -7,7 +7,9 @@ import pytest
 
 import fractus_jax as fj
 from fractus_jax import config, model
+from fractus_jax.kernels import cpu as cpu_forms
 from fractus_jax.kernels import moe as moe_k
+from fractus_jax.kernels import select
 from engine_testing import move_off_init
 
 
@@ -80,11 +82,10 @@ def test_cpu_kernels_compute_the_plain_function(kw):
 
 
 def test_kernels_auto_takes_the_cpu_forms_on_a_cpu_only():
-    from fractus_jax.kernels import select
     on_cpu = jax.default_backend() == "cpu"
-    for form in select.CPU_FORMS:
-        assert select.cpu_tuned("auto", form) == on_cpu
-        assert select.cpu_tuned("cpu", form) and not select.cpu_tuned("plain", form)
+    assert select.forms("auto") is (select.CPU if on_cpu else select.PLAIN)
+    assert select.forms("cpu") is select.CPU and select.forms("plain") is select.PLAIN
+    assert select.CPU != select.PLAIN
     with pytest.raises(ValueError, match="kernels"):
         config.tiny(kernels="gpu")
 
@@ -233,7 +234,7 @@ def test_qkv_features_backward_equals_autodiff(mm_dtype):
         w = jax.random.normal(k[1], (D, 3, D), jnp.float64) / 6
         b = jax.random.normal(k[2], (3, D), jnp.float64)
         offsets = jnp.asarray(model.level_offsets(2))
-        outs = model._features_impl(x, w, b, offsets, H, mm_dtype)
+        outs = cpu_forms.features_by_level(x, w, b, offsets, H, mm_dtype)
         cts = [jax.random.normal(jax.random.fold_in(k[3], i), o.shape, o.dtype)
                for i, o in enumerate(jax.tree.leaves(outs))]
         assert len(cts) == 5   # qf and kf for both levels, v
@@ -243,10 +244,10 @@ def test_qkv_features_backward_equals_autodiff(mm_dtype):
                 return sum(jnp.vdot(o, c) for o, c in zip(jax.tree.leaves(features(x, w, b, offsets, H, mm_dtype)), cts))
             return f
 
-        written = jax.grad(loss(model.qkv_features), (0, 1, 2))(x, w, b)
-        auto = jax.grad(loss(model._features_impl), (0, 1, 2))(x, w, b)
+        written = jax.grad(loss(cpu_forms.qkv_features), (0, 1, 2))(x, w, b)
+        auto = jax.grad(loss(cpu_forms.features_by_level), (0, 1, 2))(x, w, b)
         # the written rule is the one taken
-        jaxpr = str(jax.make_jaxpr(lambda *a: model.qkv_features(*a, offsets, H, mm_dtype))(x, w, b))
+        jaxpr = str(jax.make_jaxpr(lambda *a: cpu_forms.qkv_features(*a, offsets, H, mm_dtype))(x, w, b))
         assert "custom_vjp_call" in jaxpr
     for g_w, g_a in zip(written, auto):
         assert g_w.dtype == g_a.dtype == jnp.float64

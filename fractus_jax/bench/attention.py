@@ -14,7 +14,7 @@ Implementations:
   chunkwise        the engine's kernel, `linear_attention`, at the default block size (64),
                    in the engine's plain form: the levels a leading axis of one call, the
                    carry the mean over it (model._attention with model.kernels="plain")
-  chunkwise_cpu    the same in the engine's CPU forms (kernels/select.py): one call per
+  chunkwise_cpu    the same in the engine's CPU forms (kernels/cpu.py): one call per
                    level, the carry a sum of slices, one block without a block axis
   chunkwise_b32    chunkwise at block size 32
   chunkwise_b128   chunkwise at block size 128 (one block per chunk)
@@ -83,12 +83,12 @@ def _jax_step(impl: str):
     """loss, grads (q, k, v) and the level-mean carry, as one function of the inputs."""
     block, cpu = JAX_IMPLS[impl]
     kernel = (A.linear_attention_reference if block is None
-              else lambda *a: A.linear_attention(*a, block_size=block, cpu_tuned=cpu))
+              else lambda *a: A.linear_attention(*a, block_size=block, one_block_axis=not cpu))
 
     def loss(q, k, v, S0, z0, reset, offsets, probe):
         L = offsets.shape[0]
         if cpu:
-            # model._attention's CPU form: one call per level, the carry a sum of slices.
+            # kernels/cpu.level_attention: one call per level, the carry a sum of slices.
             outs = [kernel(A.elu1(q + offsets[l]), A.elu1(k + offsets[l]), v, S0, z0, reset[:, None, :])
                     for l in range(L)]
             y = jnp.stack([o[0] for o in outs], axis=1)                       # (B, L, H, C, dH)

@@ -72,10 +72,9 @@ def _combine_blocks(earlier, later):
     return g1 * g2, g2 * S1 + S2, g2[..., 0] * z1 + z2
 
 
-def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64, cpu_tuned: bool = False):
+def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64, one_block_axis: bool = True):
     """Chunkwise form: masked products inside blocks, block states combined by a scan.
-    cpu_tuned: a chunk of one block gets no block axis (the CPU form "one_block",
-    kernels/select.py)."""
+    one_block_axis=False: a chunk of one block gets no block axis (kernels/cpu.py's form)."""
     dt = _state_dtype(qf.dtype)
     qf, kf, v = (a.astype(dt) for a in (qf, kf, v))
     *batch, C, dH = qf.shape
@@ -100,7 +99,7 @@ def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64, cpu_tuned: 
 
     # Blocks are an axis before the positions: a reshape, no transpose. The CPU form gives
     # one block no block axis (XLA:CPU chose slow layouts around a size-1 axis there).
-    blocked = n_blocks > 1 or not cpu_tuned
+    blocked = n_blocks > 1 or one_block_axis
     q, k = qf, kf
     if blocked:
         q, k, v = (a.reshape(*batch, n_blocks, c, dH) for a in (q, k, v))

@@ -10,7 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fractus_jax.kernels.trig import sin_cos
+from fractus_jax.kernels import plain
 
 TWO_PI = 2.0 * math.pi
 
@@ -26,21 +26,21 @@ def mean_phase_encoding(y):
     return TWO_PI * jnp.mean(y, axis=-1)
 
 
-def kuramoto_field(theta, omega, coupling_u, coupling_lambda, damping: float, cpu_tuned: bool = False):
+def kuramoto_field(theta, omega, coupling_u, coupling_lambda, damping: float, sin_cos=plain.sin_cos):
     """dθ/dt = ω − damping·θ + cos θ ⊙ (U p) − sin θ ⊙ (U q), p = Λ⊙(Uᵀ sin θ), q = Λ⊙(Uᵀ cos θ)."""
-    sin, cos = sin_cos(theta, cpu_tuned)
+    sin, cos = sin_cos(theta)
     p = coupling_lambda * (sin @ coupling_u)
     q = coupling_lambda * (cos @ coupling_u)
     return omega - damping * theta + cos * (p @ coupling_u.T) - sin * (q @ coupling_u.T)
 
 
 def integrate(theta0, omega, coupling_u, coupling_lambda, *, n_steps: int, dt: float,
-              damping: float, cpu_tuned: bool = False):
+              damping: float, sin_cos=plain.sin_cos):
     """n_steps RK4 steps of size dt, wrapping mod 2π after each (the wrap has slope 1);
-    cpu_tuned takes sin and cos from kernels/trig.sincos."""
+    sin_cos is the plain form or a tuned one (kernels/select.py)."""
 
     def f(theta):
-        return kuramoto_field(theta, omega, coupling_u, coupling_lambda, damping, cpu_tuned)
+        return kuramoto_field(theta, omega, coupling_u, coupling_lambda, damping, sin_cos)
 
     def rk4_step(theta, _):
         k1 = f(theta)

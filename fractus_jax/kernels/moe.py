@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fractus_jax.kernels import mixed
-from fractus_jax.kernels.trig import sin_cos
+from fractus_jax.kernels import plain
 
 _GATE_FLOOR = 1e-10
 
@@ -45,15 +45,15 @@ def farey_phases(n_experts: int) -> np.ndarray:
     return np.array([2.0 * math.pi * float(f) for f in picks], dtype=np.float64)
 
 
-def mean_phase(psi, cpu_tuned: bool = False):
+def mean_phase(psi, sin_cos=plain.sin_cos):
     """θ̄ = atan2(Σ sin ψ, Σ cos ψ) over the oscillator axis."""
-    sin, cos = sin_cos(psi, cpu_tuned)
+    sin, cos = sin_cos(psi)
     return jnp.arctan2(sin.sum(-1), cos.sum(-1))
 
 
-def gates(theta_bar, expert_phases, kappa_eff: float, cpu_tuned: bool = False):
+def gates(theta_bar, expert_phases, kappa_eff: float, sin_cos=plain.sin_cos):
     """Normalised von Mises gates (..., E); uniform where the sum is ≤ 1e-10."""
-    g = jnp.exp(kappa_eff * sin_cos(theta_bar[..., None] - expert_phases, cpu_tuned)[1])
+    g = jnp.exp(kappa_eff * sin_cos(theta_bar[..., None] - expert_phases)[1])
     total = g.sum(-1, keepdims=True)
     ok = total > _GATE_FLOOR
     uniform = jnp.full_like(g, 1.0 / g.shape[-1])
@@ -209,7 +209,7 @@ def _dispatch(idx_TxK, n_experts: int, capacity: int):
     return slot_A, token_of_slot, kept_A
 
 
-def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int):
+def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int, combine=plain.combine):
     """Index dispatch into (E, capacity, D); returns (y (T, D), kept (T, K) bool).
 
     Also takes a leading group axis, (G, T, ·): capacity is counted per group, and all
@@ -217,12 +217,11 @@ def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int):
     einsums keep the expert axis leading (a vmap over groups would put the group axis in
     front and cost a layout transpose per einsum in the backward).
 
-    The combine runs on (G·T, D) rows, not (G, T, D) (a leading group axis of 1 slowed
-    XLA:CPU's reduction behind its backward); the gathers keep the group axis, which a
-    multi-device mesh shards.
+    `combine` weights each token's K expert outputs (kernels/plain.py, or kernels/cpu.py's
+    form); the gathers keep the group axis, which a multi-device mesh shards.
     """
     if x_TxD.ndim == 2:
-        y, kept = moe_capacity(x_TxD[None], idx_TxK[None], w_TxK[None], f, capacity)
+        y, kept = moe_capacity(x_TxD[None], idx_TxK[None], w_TxK[None], f, capacity, combine)
         return y[0], kept[0]
     n_groups, n_tokens, top_k = idx_TxK.shape
     n_experts, d_model = f["b2"].shape
@@ -238,9 +237,4 @@ def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int):
     out_GxKxTxD = out_GxKTxD.reshape(n_groups, top_k, n_tokens, d_model)
     kept_GxKxT = kept_A.reshape(n_groups, top_k, n_tokens)
     weight = jnp.where(kept_GxKxT, w_TxK.transpose(0, 2, 1), 0.0).astype(out.dtype)
-    # A sum of K slices, not an einsum over k (which XLA may lower as a batched dot of
-    # (1×K)·(K×D) products per token).
-    rows = n_groups * n_tokens
-    y_NxD = sum(weight[:, j].reshape(rows)[:, None] * out_GxKxTxD[:, j].reshape(rows, d_model)
-                for j in range(top_k))
-    return y_NxD.reshape(n_groups, n_tokens, d_model), kept_GxKxT.transpose(0, 2, 1)
+    return combine(weight, out_GxKxTxD), kept_GxKxT.transpose(0, 2, 1)

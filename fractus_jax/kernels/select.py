@@ -1,25 +1,38 @@
-"""Which form of a kernel the engine runs: the plain formulation, or one tuned for XLA:CPU.
-
-The plain form is the math as written, differentiated by autodiff; it is what a GPU or TPU
-runs. A CPU-tuned form computes the same function in a way XLA:CPU runs faster (each is
-measured against its plain form in docs/performance.md and tested against it in float64).
-`EngineConfig.kernels` chooses: "auto" (the default) takes the CPU forms on a CPU backend
-and the plain ones elsewhere, "plain" and "cpu" force one side. The choice is made when the
-forward is traced, so a jitted function keeps the forms of the backend it was traced for.
+"""Which forms of the engine's kernels a forward runs: the plain ones (kernels/plain.py, the
+math as written, differentiated by autodiff: what a GPU or TPU runs) or the ones tuned for
+XLA:CPU (kernels/cpu.py, the same functions). `EngineConfig.kernels` chooses: "auto" (the
+default) takes the CPU forms on a CPU backend and the plain ones elsewhere, "plain" and
+"cpu" force one side. The engine asks once per forward (`forms(cfg.kernels)`), when it is
+traced, so a jitted function keeps the forms of the backend it was traced for.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import jax
+
+from fractus_jax.kernels import cpu
+from fractus_jax.kernels import plain
 
 KERNELS = ("auto", "plain", "cpu")
 
-# The CPU-tuned forms, by name (the call sites name theirs):
-#   "sincos"       kernels/trig.sincos for sin and cos (Kuramoto field, MoE routing)
-#   "layer_norm"   LayerNorm with its backward written out
-#   "qkv_features" the qkv projection and feature maps with their backward written out
-#   "level_slices" one attention kernel call per level instead of a level axis
-#   "one_block"    no block axis in the attention kernel when the chunk is one block
-CPU_FORMS = ("sincos", "layer_norm", "qkv_features", "level_slices", "one_block")
+
+class Forms(NamedTuple):
+    """One form of each kernel the engine's forward calls (signatures: kernels/plain.py)."""
+    sin_cos: Callable            # θ → (sin θ, cos θ): the Kuramoto field, the MoE routing
+    layer_norm: Callable         # (x, p, eps) → LayerNorm(x)
+    qkv_features: Callable       # (x, W_qkv, b_qkv, ω, H, matmul dtype) → (qf, kf, v) by level
+    linear_attention: Callable   # one level's chunkwise attention with a carried (S, z)
+    level_attention: Callable    # every level's, mixed: (a, S, z)
+    combine: Callable            # the capacity MoE's weighted sum of each token's K outputs
+
+
+def _forms(module) -> Forms:
+    return Forms(**{name: getattr(module, name) for name in Forms._fields})
+
+
+PLAIN = _forms(plain)
+CPU = _forms(cpu)
 
 
 def resolved(kernels: str) -> str:
@@ -31,8 +44,6 @@ def resolved(kernels: str) -> str:
     return kernels
 
 
-def cpu_tuned(kernels: str, form: str) -> bool:
-    """True when the CPU-tuned `form` runs: kernels="cpu", or "auto" on a CPU backend."""
-    if form not in CPU_FORMS:
-        raise ValueError(f"unknown CPU form {form!r}; known: {CPU_FORMS}")
-    return resolved(kernels) == "cpu"
+def forms(kernels: str) -> Forms:
+    """The forms `kernels` ("auto", "plain", "cpu") runs on this backend."""
+    return CPU if resolved(kernels) == "cpu" else PLAIN

@@ -1,8 +1,6 @@
-"""sin and cos of the same angles, as the Kuramoto field and the MoE phase routing take them.
-
-`sin_cos` is jnp.sin and jnp.cos (the plain form), or `sincos`, the CPU-tuned form
-(kernels/select.py): one reduction and two polynomials in multiply-adds, which XLA:CPU runs
-faster than its sin and cos (docs/performance.md)."""
+"""sin and cos of the same angles by one reduction and two polynomials in multiply-adds,
+which XLA:CPU runs faster than its sin and cos: kernels/cpu.py's form of the plain
+jnp.sin and jnp.cos (docs/performance.md)."""
 from __future__ import annotations
 
 import math
@@ -15,13 +13,6 @@ import jax.numpy as jnp
 # (|x| < 3,000; the phases stay within a few units of [0, 2π)); the third is the float64
 # remainder, π/2 − 1.5703125 − 4.837512969970703125e-4, to 1e-24.
 _PIO2_PARTS = (1.5703125, 4.837512969970703125e-4, 7.549789954891882e-08)
-
-
-def sin_cos(x, cpu_tuned: bool = False):
-    """(sin x, cos x): jnp.sin and jnp.cos, or `sincos` where the CPU form is selected."""
-    if cpu_tuned:
-        return sincos(x)
-    return jnp.sin(x), jnp.cos(x)
 
 
 @jax.custom_jvp
