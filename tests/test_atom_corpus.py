@@ -1,11 +1,13 @@
 """Atom corpora: the builder (incremental, atomic), the memory-mapped reader and
 its validation, the default stdlib corpus, and the command line."""
+import fcntl
 import gzip
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -258,6 +260,25 @@ def test_default_corpus_is_cached_and_deterministic(tmp_path):
     paths = [s["path"] for s in c.index["sources"]]
     assert paths == sorted(paths) and len(paths) > 1
     assert not any("site-packages" in p for p in paths)
+
+
+def test_default_corpus_builders_take_turns(tmp_path):
+    """Processes that start together on a fresh cache (a run's processes on one machine)
+    build the default corpus one at a time: while one holds the cache's lock, another
+    writes nothing, then reuses the finished corpus."""
+    cache = tmp_path / "cache"
+    want = build_default_corpus(tmp_path / "fresh", max_bytes=400_000, progress=False)
+    cache.mkdir()
+    code = ("import sys; from fractus_jax.atom.corpus import build_default_corpus; "
+            "print(build_default_corpus(sys.argv[1], max_bytes=400_000, progress=False))")
+    with open(cache / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        child = subprocess.Popen([sys.executable, "-c", code, str(cache)], stdout=subprocess.PIPE, text=True)
+        time.sleep(3)
+        assert child.poll() is None and sorted(p.name for p in cache.iterdir()) == [".lock"]
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0 and Path(out.strip()).name == want.name
+    assert Path(out.strip()).read_bytes() == want.read_bytes()
 
 
 def test_cli_commands(tmp_path, capsys):

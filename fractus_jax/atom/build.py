@@ -13,6 +13,7 @@ either the old corpus, or new ids with the old index, which the reader refuses
 from __future__ import annotations
 
 import gzip
+import fcntl
 import hashlib
 import json
 import os
@@ -379,11 +380,15 @@ def build_default_corpus(cache_dir, max_bytes: int = 32 << 20, progress: bool = 
             "files": [[str(p.relative_to(root)), n] for p, n in picked]}
     key = hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
     out = cache / f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}-{key}.u16"
-    try:
-        if open_corpus(out).n_ids > 0 and read_index(out) is not None:
-            return out
-    except CorpusError:
-        pass
-    build_corpus([p for p, _ in picked], out, force=True, progress=progress,
-                 log=(lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None))
+    # One builder at a time: the processes of a run started together on one machine (or two
+    # runs) would otherwise write the same FILE.tmp at once. The others wait, then reuse it.
+    with open(cache / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if open_corpus(out).n_ids > 0 and read_index(out) is not None:
+                return out
+        except CorpusError:
+            pass
+        build_corpus([p for p, _ in picked], out, force=True, progress=progress,
+                     log=(lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None))
     return out
