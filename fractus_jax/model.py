@@ -228,7 +228,7 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, forms: select.Forms, mm_dty
         kept = jnp.ones(idx_GxTxK.shape, bool)
     else:
         capacity = moe_k.expert_capacity(T, E, K, cfg.capacity_factor)
-        y, kept = moe_k.moe_capacity(x_GxTxD, idx_GxTxK, w_GxTxK, factors, capacity, forms.combine)
+        y, kept = moe_k.moe_capacity(x_GxTxD, idx_GxTxK, w_GxTxK, factors, capacity)
     hits = jnp.einsum("tk,tke->e", kept.reshape(-1, K).astype(jnp.float32),
                       jax.nn.one_hot(idx.reshape(-1, K), E, dtype=jnp.float32))
     stats = (kept.mean(dtype=jnp.float32), hits, g_BxCxE.reshape(-1, E).mean(0), idx)

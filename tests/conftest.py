@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices (for the sharding tests) before JAX initialises, XLA:CPU
-code generation at -O0, and a persistent compilation cache for the CLI subprocesses, so that each of their programs is
-compiled once per machine.
+code generation at -O0, and a persistent compilation cache for the CLI subprocesses, so that
+each of their programs is compiled once per machine (and per pytest-xdist worker: the README
+runs the suite on two).
 
 No silent skips: the device-count flag is added to an XLA_FLAGS already set (one that names
 a count of its own keeps it); a test marked `devices(n)` fails on a CPU with fewer devices
@@ -25,8 +26,12 @@ if OPT_LEVEL_FLAG not in _flags:
     _flags = f"{_flags} {OPT_LEVEL_FLAG}=0"
 os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Subprocesses (CLI tests) inherit these through the environment.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fractus_jax_test_xla_cache"))
+# Subprocesses (CLI tests) inherit these through the environment. One cache per pytest-xdist
+# worker (the workers inherit the controller's environment, so it is set, not defaulted): JAX
+# writes an entry in place, and another process could read it half written.
+_XLA_CACHE = os.environ.setdefault("FRACTUS_TEST_XLA_CACHE",
+                                   os.path.join(tempfile.gettempdir(), "fractus_jax_test_xla_cache"))
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_XLA_CACHE, os.environ.get("PYTEST_XDIST_WORKER", "main"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 
 import jax  # noqa: E402

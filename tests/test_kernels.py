@@ -336,7 +336,6 @@ def _form_cases():
         # one block (64 > C), where the CPU form drops the block axis
         "linear_attention": ((qf[0], kf[0], v, S, z), (reset[:, None, :], 64)),
         "level_attention": ((qf, kf, v, S, z), (reset, jax.nn.softmax(rnd(L)), 5, plain.linear_attention)),
-        "combine": ((rnd(3, 2, 5), rnd(3, 2, 5, D)), ()),
     }
 
 

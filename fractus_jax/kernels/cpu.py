@@ -9,7 +9,6 @@ against it in docs/performance.md ("CPU-tuned forms").
                      the levels as a tuple, not a stacked axis
     linear_attention a chunk of one block gets no block axis
     level_attention  one attention call per level: no stacked copies of v and the carry
-    combine          a sum of K slices, not an einsum over k
 """
 from __future__ import annotations
 
@@ -112,11 +111,3 @@ def level_attention(qf, kf, v, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L, block_size,
         a, S_sum, z_sum = a + mix_L[l] * y, S_sum + S_l, z_sum + z_l
     return a, S_sum / n_levels, z_sum / n_levels
 
-
-def combine(weight_GxKxT, out_GxKxTxD):
-    """plain.combine as a sum of K slices over (G·T, D) rows: an einsum over k may lower to a
-    batched dot of (1×K)·(K×D) products per token, and a leading group axis of 1 slowed
-    XLA:CPU's reduction behind its backward."""
-    G, K, T, D = out_GxKxTxD.shape
-    y = sum(weight_GxKxT[:, j].reshape(G * T)[:, None] * out_GxKxTxD[:, j].reshape(G * T, D) for j in range(K))
-    return y.reshape(G, T, D)

@@ -209,7 +209,7 @@ def _dispatch(idx_TxK, n_experts: int, capacity: int):
     return slot_A, token_of_slot, kept_A
 
 
-def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int, combine=plain.combine):
+def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int):
     """Index dispatch into (E, capacity, D); returns (y (T, D), kept (T, K) bool).
 
     Also takes a leading group axis, (G, T, ·): capacity is counted per group, and all
@@ -217,11 +217,10 @@ def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int, combine=plain.combine)
     einsums keep the expert axis leading (a vmap over groups would put the group axis in
     front and cost a layout transpose per einsum in the backward).
 
-    `combine` weights each token's K expert outputs (kernels/plain.py, or kernels/cpu.py's
-    form); the gathers keep the group axis, which a multi-device mesh shards.
+    The gathers keep the group axis, which a multi-device mesh shards.
     """
     if x_TxD.ndim == 2:
-        y, kept = moe_capacity(x_TxD[None], idx_TxK[None], w_TxK[None], f, capacity, combine)
+        y, kept = moe_capacity(x_TxD[None], idx_TxK[None], w_TxK[None], f, capacity)
         return y[0], kept[0]
     n_groups, n_tokens, top_k = idx_TxK.shape
     n_experts, d_model = f["b2"].shape
@@ -237,4 +236,5 @@ def moe_capacity(x_TxD, idx_TxK, w_TxK, f, capacity: int, combine=plain.combine)
     out_GxKxTxD = out_GxKTxD.reshape(n_groups, top_k, n_tokens, d_model)
     kept_GxKxT = kept_A.reshape(n_groups, top_k, n_tokens)
     weight = jnp.where(kept_GxKxT, w_TxK.transpose(0, 2, 1), 0.0).astype(out.dtype)
-    return combine(weight, out_GxKxTxD), kept_GxKxT.transpose(0, 2, 1)
+    y_GxTxD = jnp.einsum("gkt,gktd->gtd", weight, out_GxKxTxD)
+    return y_GxTxD, kept_GxKxT.transpose(0, 2, 1)

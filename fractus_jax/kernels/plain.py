@@ -3,7 +3,7 @@ differentiated by autodiff. This is what a GPU or TPU runs; kernels/cpu.py holds
 functions in forms XLA:CPU runs faster, and kernels/select.py picks one set per forward.
 
 Shapes: B rows, C positions, D = H·dH features, L attention levels (the feature-map
-offsets ω_l), G dispatch groups of T tokens, K experts per token.
+offsets ω_l).
 """
 from __future__ import annotations
 
@@ -77,7 +77,3 @@ def level_attention(qf, kf, v, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L, block_size,
                                    reset_BxC[:, None, :], block_size)
     return jnp.einsum("l,lbhcd->bhcd", mix_L, y), S_L.mean(0), z_L.mean(0)
 
-
-def combine(weight_GxKxT, out_GxKxTxD):
-    """y_t = Σ_k weight_kt · out_kt: each token's expert outputs, weighted (G, T, D)."""
-    return jnp.einsum("gkt,gktd->gtd", weight_GxKxT, out_GxKxTxD)

@@ -24,7 +24,6 @@ class Forms(NamedTuple):
     qkv_features: Callable       # (x, W_qkv, b_qkv, ω, H, matmul dtype) → (qf, kf, v) by level
     linear_attention: Callable   # one level's chunkwise attention with a carried (S, z)
     level_attention: Callable    # every level's, mixed: (a, S, z)
-    combine: Callable            # the capacity MoE's weighted sum of each token's K outputs
 
 
 def _forms(module) -> Forms:
