@@ -126,6 +126,14 @@ class EngineConfig:
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
+    def for_inference(self, exact: bool = True) -> "EngineConfig":
+        """The engine as scoring, decoding, probing and growth checks run it: a few rows on
+        one device, so one row stream and one dispatch slice (execution settings: the same
+        numbers), and, when exact (the default), no capacity: every token gets its top_k
+        experts, the function the weights define and the PyTorch engine computes."""
+        cfg = self.replace(row_streams=1, moe_shards=1)
+        return cfg.replace(capacity_factor=None) if exact else cfg
+
     @classmethod
     def from_dict(cls, d: dict[str, Any], unknown: str = "warn", log: Optional[Callable[[str], None]] = None,
                   where: str = "config") -> "EngineConfig":

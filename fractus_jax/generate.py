@@ -127,10 +127,7 @@ def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_
         check_decode_args(cfg, max_new, mode, window, temperature, top_k)
     except ValueError as e:
         raise GenerateError(str(e)) from e
-    # Row streams schedule a training batch across cores; decoding a few rows needs none.
-    cfg = cfg.replace(row_streams=1)
-    if exact_routing:
-        cfg = cfg.replace(capacity_factor=None, moe_shards=1)
+    cfg = cfg.for_inference(exact=exact_routing)
     encoded, batch = encode_prompts(prompts)
     prompt_ids = jnp.asarray(batch)
     key = jax.random.PRNGKey(int(seed))

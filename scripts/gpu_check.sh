@@ -12,7 +12,8 @@
 #   Where JAX already sees a GPU (an image with jax and its CUDA plugin) nothing is
 #   installed: the package runs from this checkout. Elsewhere it installs ".[cuda]"
 #   (WHEELS=DIR: offline, from wheels). CONFIG, BATCHES, STEPS, ATTN_BATCH, ATTN_IMPLS,
-#   DISPATCH_CONFIG change what runs (the tests run this script on a CPU with the tiny config).
+#   DISPATCH_CONFIG change what runs (the tests run this script on a CPU with the tiny config);
+#   LIMIT_SCALE multiplies each step's own limit (a slower machine), BUDGET_S still caps all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -31,8 +32,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/log.txt"; }
 # Every step's timeout is cut to what is left of BUDGET_S, so the whole script ends in time
 # and keeps what it has measured (a GPU rented for a fixed slot still returns results).
+# LIMIT_SCALE (default 1) multiplies every step's own limit, for a slower machine.
 end_at=$((SECONDS + ${BUDGET_S:-450}))
-limit_s() { local left=$((end_at - SECONDS)); echo $(( left < $1 ? (left > 0 ? left : 1) : $1 )); }
+limit_s() {
+  local left=$((end_at - SECONDS)) want=$(($1 * ${LIMIT_SCALE:-1}))
+  echo $(( left < want ? (left > 0 ? left : 1) : want ))
+}
 
 if python3 -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null \
     || [ "${GPU_CHECK_INSTALL:-1}" = 0 ]; then

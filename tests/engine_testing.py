@@ -2,6 +2,10 @@
 import jax
 import numpy as np
 
+# XLA_FLAGS for a subprocess that sets its own device count (`--local-devices`, a script):
+# the suite's code generation at -O0 (tests/conftest.py) and nothing else.
+SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
 
 def move_off_init(params, key, scale=0.3):
     """Random LayerNorm weights/biases and nonzero level logits / expert biases.

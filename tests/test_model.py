@@ -1,4 +1,6 @@
 """The JAX engine on its own: parameter count, layer scan, causality, resets, dtypes."""
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -79,6 +81,20 @@ def test_cpu_kernels_compute_the_plain_function(kw):
     for a, b in zip(jax.tree.leaves((plain, g_plain)), jax.tree.leaves((cpu, g_cpu))):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
     assert float(jnp.abs(g_plain["blocks"]["attn"]["w_qkv"]).max()) > 1e-3
+
+
+def test_for_inference_keeps_the_weights_and_drops_only_the_training_schedule():
+    """EngineConfig.for_inference: one row stream, one dispatch slice and, exact, no capacity;
+    every weight field and every other setting as it was."""
+    cfg = config.tiny(capacity_factor=1.25, moe_group_rows=2, row_streams=2, moe_shards=4,
+                      kernels="plain", remat=True, gate_temperature=1.5)
+    exact, routed = cfg.for_inference(), cfg.for_inference(exact=False)
+    assert (exact.capacity_factor, exact.row_streams, exact.moe_shards) == (None, 1, 1)
+    assert (routed.capacity_factor, routed.row_streams, routed.moe_shards) == (1.25, 1, 1)
+    changed = {"capacity_factor", "row_streams", "moe_shards"}
+    for f in dataclasses.fields(cfg):
+        if f.name not in changed:
+            assert getattr(exact, f.name) == getattr(routed, f.name) == getattr(cfg, f.name), f.name
 
 
 def test_kernels_auto_takes_the_cpu_forms_on_a_cpu_only():

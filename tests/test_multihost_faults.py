@@ -20,6 +20,8 @@ from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import state as state_lib
 
+from engine_testing import SUBPROCESS_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["batch_size=8", "model.moe_group_rows=1", "optimizer=sgd", "lr=0.05", "mesh.data=2", "mesh.fsdp=4"]
 
@@ -58,7 +60,7 @@ def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=False):
     its step there while the other compiles it waits in the first collective, which gives
     up after 30 s (Gloo context initialization failed)."""
     hooks = hooks or {}
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
     if not cache:
         env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     port = _free_port()

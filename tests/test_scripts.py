@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_testing import SUBPROCESS_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +37,9 @@ def test_gpu_check_runs_end_to_end_on_a_cpu_with_the_tiny_config(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "CONFIG": "tiny", "BATCHES": "8 4", "STEPS": "2",
            "ATTN_BATCH": "1", "ATTN_IMPLS": "chunkwise", "DISPATCH_CONFIG": "tiny", "GPU_CHECK_INSTALL": "0",
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "XLA_FLAGS": ""}
+           # a CPU shared with other tests: every step may take 4× its GPU limit, within 15 minutes
+           "LIMIT_SCALE": "4", "BUDGET_S": "900",
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -59,7 +63,7 @@ def test_gpu_check_keeps_to_its_time_budget(tmp_path):
     what it has: the environment, the log and the raw outputs."""
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "CONFIG": "tiny", "BATCHES": "4", "BUDGET_S": "0",
-           "GPU_CHECK_INSTALL": "0", "XLA_FLAGS": ""}
+           "GPU_CHECK_INSTALL": "0", "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -21,7 +21,7 @@ from fractus_jax.train.data import LaneReader, global_batch
 from fractus_jax.train.memory import plan_memory
 from fractus_jax.train.step import batch_shardings, jit_train_step
 
-from engine_testing import assert_trained_alike, changed_leaves
+from engine_testing import SUBPROCESS_XLA_FLAGS, assert_trained_alike, changed_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(1, 1), (2, 4), (8, 1)]
@@ -150,7 +150,7 @@ def _free_port() -> int:
 def test_two_processes_on_localhost_match_one(corpus_file, start, tmp_path):
     overrides = [f"--set=corpus={corpus_file}", *[f"--set={o}" for o in SHARDED_RUN],
                  "--set=mesh.data=2", "--set=mesh.fsdp=4", *[f"--set={o}" for o in TWO_PROCESS_RUN]]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
     port = _free_port()
     workdir = tmp_path / "two"
     procs = [subprocess.Popen(

@@ -187,12 +187,6 @@ def read_chunk(ids, lanes: int, lane_len: int, chunk: int, k: int, context: int 
     return rows, left
 
 
-def scoring_config(cfg: EngineConfig) -> EngineConfig:
-    """The engine as scoring runs it: exact routing on one device, one row stream (the
-    function the weights define; execution settings only)."""
-    return cfg.replace(capacity_factor=None, moe_shards=1, row_streams=1)
-
-
 def _nats(params, h, targets, block):
     n = targets.size
     ce, _ = cross_entropy_terms(h.astype(jnp.float32), params["observe"], targets, block)
@@ -233,7 +227,7 @@ class Scorer:
 
     def __init__(self, cfg: EngineConfig, lanes: int, chunk: int, feats: bool = False,
                  schedule: CarrySchedule = CarrySchedule()):
-        self.cfg = scoring_config(cfg)
+        self.cfg = cfg.for_inference()
         self.lanes, self.chunk = int(lanes), int(chunk)
         self.feats = bool(feats) and self.cfg.is_atom
         self.atom = self.cfg.vocab_size == ATOM_VOCAB

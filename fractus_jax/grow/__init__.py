@@ -257,8 +257,7 @@ _PROBE = _probe_fn()
 
 def probe(params, carry, ids, m: EngineConfig):
     """(logits (B, C, V), chosen experts (L, B, C, K)) of the exact engine (no capacity)."""
-    exact = m.replace(capacity_factor=None, row_streams=1)
-    logits, idx = _PROBE(params, carry, jnp.asarray(ids, jnp.int32), exact)
+    logits, idx = _PROBE(params, carry, jnp.asarray(ids, jnp.int32), m.for_inference())
     return np.asarray(logits), np.asarray(idx)
 
 

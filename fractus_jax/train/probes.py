@@ -72,13 +72,13 @@ def _ar_eval(params, rows, cfg):
 
 class Prober:
     def __init__(self, cfg: TrainConfig, corpus):
-        # The probes run their own few rows on one device: no row streams or per-device
-        # dispatch slices; a capacity group that does not divide them makes them one group.
+        # The probes run their own few rows on one device with the trained routing; a
+        # capacity group that does not divide them makes them one group.
         rows = cfg.model.moe_group_rows
-        self.cfg = cfg.model.replace(row_streams=1, moe_shards=1,
-                                     moe_group_rows=rows if rows and PROBE_ROWS % rows == 0 else 0)
+        self.cfg = cfg.model.for_inference(exact=False).replace(
+            moe_group_rows=rows if rows and PROBE_ROWS % rows == 0 else 0)
         # Decoding feeds chunks of a few tokens: capacity would drop their assignments.
-        self.decode_cfg = self.cfg.replace(capacity_factor=None)
+        self.decode_cfg = self.cfg.for_inference()
         self.rows = jnp.asarray(_probe_rows(corpus, PROBE_ROWS, max(PROBE_LEN, WARM + FREE)))
         self._tf = jax.jit(_teacher_forced, static_argnums=2)
         self._ar = jax.jit(_ar_eval, static_argnums=2)
