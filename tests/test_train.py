@@ -237,12 +237,13 @@ def test_deadline_saves_and_stops_before_it(corpus_file, tmp_path):
     # Before its first save is timed, the run reserves one sized by its 0.6 MB state (the
     # 2 s floor), not 30 s, which would stop it at step 1; the saves every 10 steps replace
     # it with measured times, as in a long run.
-    deadline = time.time() + startup + 10
+    deadline = time.time() + startup + 20
     cfg = tiny(corpus_file, "max_steps=4000", "save_every=10", f"deadline={deadline}")
     step, committed = _deadline_run(cfg, tmp_path / "run")
     # The last save committed before the deadline, but not long before it: the stop came from
-    # the margin (two steps, a save and a second), after many measured saves.
-    assert deadline - 5 < committed < deadline and step > 30, (step, deadline - committed)
+    # the margin (two steps, 1.5 times the slowest save and a second), after measured saves. The
+    # bound leaves room for a CPU shared with other tests, whose saves are slower.
+    assert deadline - 10 < committed < deadline and step >= 20, (step, deadline - committed)
 
 
 def test_embedded_default_corpus_is_built_once_and_trains(tmp_path, monkeypatch):
