@@ -1,14 +1,12 @@
 """Row streams: a function of a batch run as n independent slices of its rows, one after
 another, and their outputs joined. On one CPU device it lets XLA schedule each slice's
-work apart (config.EngineConfig.row_streams; docs/performance.md); the function is
+work apart (config.Execution.row_streams; docs/performance.md); the function is
 unchanged where the rows are independent of each other.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-JOINS = ("sum", "mean")
 
 
 def _slice(axis, a, i, n):
@@ -23,7 +21,9 @@ def _join(how, parts):
         return sum(parts)
     if how == "mean":
         return sum(parts) / len(parts)
-    return jnp.concatenate(parts, how)
+    if isinstance(how, int):
+        return jnp.concatenate(parts, how)
+    raise ValueError(f"an output joins on an axis, 'sum' or 'mean', got {how!r}")
 
 
 def in_row_streams(fn, n: int, in_axes, out_axes):
