@@ -1,8 +1,8 @@
 """fractus-jax: the Fractus Continuous Thought Engine in JAX."""
-from fractus_jax.config import EngineConfig
+from fractus_jax.config import EngineConfig, Execution
 from fractus_jax.model import count_params, forward_chunk, init_params, init_state
 
-__all__ = ["EngineConfig", "count_params", "forward_chunk", "init_params", "init_state"]
+__all__ = ["EngineConfig", "Execution", "count_params", "forward_chunk", "init_params", "init_state"]
 
 
 def __getattr__(name):

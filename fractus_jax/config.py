@@ -1,8 +1,10 @@
-"""The engine's configuration: one frozen dataclass, hashable so it can be a static jit argument.
+"""The engine's configuration, two frozen dataclasses, hashable so they can be static jit arguments.
 
-Field names up to ``atom_feat_dim`` are the PyTorch reference constructor's arguments
-(``fractus_jax.reference.FractusEngine(**cfg.torch_kwargs())``); the fields after them only
-choose how the JAX side computes the same function (dtype, block sizes, capacity, remat).
+EngineConfig is what the weights compute. Its field names up to ``atom_feat_dim`` are the
+PyTorch reference constructor's arguments (``fractus_jax.reference.FractusEngine(**cfg.torch_kwargs())``);
+the two after them are the capacity routing the JAX side adds. Execution is how a machine
+computes that function (kernels, dtype, remat, block sizes, schedules): a run may change it
+when it resumes, and an export does not carry it.
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from fractus_jax.atom import ids as atom_ids
 from fractus_jax.kernels.select import KERNELS
 
 VARIANTS = ("atom", "parent")
-# The fields that decide what the weights are (their shapes and meaning): a resumed or
-# imported run must keep them; the others only choose how the same function is computed.
+# The EngineConfig fields that decide what the weights are (their shapes and meaning): a
+# resumed or imported run must keep them. The others are constants of the function those
+# weights compute (and Execution's fields only choose how it is computed).
 WEIGHT_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_head", "n_levels", "n_oscillators",
                  "coupling_rank", "n_experts", "top_k", "expert_d_ff", "siren_rank", "variant", "atom_feat_dim")
 ATOM_VOCAB = atom_ids.VOCAB
@@ -51,42 +54,16 @@ class EngineConfig:
     # None disables document resets (the parent's GPT-2 stream has no BOS).
     bos_id: Optional[int] = ATOM_BOS
     atom_feat_dim: int = atom_ids.FEAT_DIM
-    # ---- JAX-side computation choices (not part of the weights) ----
+    # ---- Capacity routing (the JAX side's one addition to the function; docs/spec.md §3.3) ----
     # None (dropless): every token gets its top_k experts, the PyTorch engine's function.
     # A number: each expert takes at most ceil(cf·T·K/E) assignments of a dispatch group
-    # of T tokens, and the rest are dropped (docs/spec.md §3.3).
+    # of T tokens, and the rest are dropped.
     capacity_factor: Optional[float] = None
     # Rows per capacity group; 0 makes the whole batch one group. With a capacity factor
     # the group decides which assignments are dropped, so it is part of the trained
     # function: a fixed number of rows, the same on any mesh (the trainer refuses a group
     # that does not divide the rows one device holds). Unused when dropless.
     moe_group_rows: int = 1
-    # Dropless dispatch: each expert's assignments run in whole blocks of this many rows
-    # (at most one partial block per expert; docs/engine.md).
-    moe_block_rows: int = 32
-    # Dropless dispatch: the batch's rows dispatch as this many independent slices, one
-    # per device (the trainer sets it from the mesh) so that no token crosses devices.
-    # Execution only: dropless routing gives the same numbers for any value.
-    moe_shards: int = 1
-    attn_block_size: int = 64
-    # "auto": the forms tuned for XLA:CPU on a CPU backend, the plain formulation elsewhere;
-    # "plain" or "cpu" force one (fractus_jax/kernels/select.py: kernels/plain.py or kernels/cpu.py, the same function).
-    kernels: str = "auto"
-    compute_dtype: str = "float32"
-    remat: bool = False
-    # Layers per iteration of the layer scan (n_layers: no loop at all). Unrolling lets XLA
-    # keep each layer's saved activations in their own buffers instead of copying them into
-    # stacked ones (on CPU, docs/performance.md); compile time grows with it.
-    scan_unroll: int = 1
-    # Independent row streams, a CPU schedule (leave it at 1 on a GPU): the batch runs as this
-    # many row slices, each through every layer on its own, so that XLA:CPU runs them on
-    # different cores at once. Only the
-    # load-balance term joins them (P_e stays the mean over every token). A stream holds
-    # whole MoE dispatch groups, so row_streams > 1 needs moe_group_rows set (checked
-    # where the batch is known). Execution only: the numbers are one stream's with the
-    # same groups. It pays with the layer loop unrolled (scan_unroll = n_layers); with
-    # the loop kept, two streams ran slower than one (smoke, docs/training.md).
-    row_streams: int = 1
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -99,20 +76,6 @@ class EngineConfig:
             raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
         if self.moe_group_rows < 0:
             raise ValueError(f"moe_group_rows must be >= 0 (0: the whole batch), got {self.moe_group_rows}")
-        if self.moe_block_rows < 1 or self.moe_shards < 1:
-            raise ValueError(f"moe_block_rows and moe_shards must be >= 1, got {self.moe_block_rows}, "
-                             f"{self.moe_shards}")
-        if self.scan_unroll < 1:
-            raise ValueError(f"scan_unroll must be >= 1, got {self.scan_unroll}")
-        if self.row_streams < 1:
-            raise ValueError(f"row_streams must be >= 1, got {self.row_streams}")
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be {', '.join(map(repr, KERNELS[:-1]))} or {KERNELS[-1]!r}, "
-                             f"got {self.kernels!r}")
-        if self.attn_block_size < 1:
-            raise ValueError(f"attn_block_size must be >= 1, got {self.attn_block_size}")
-        if self.compute_dtype not in ("float32", "bfloat16", "float16", "float64"):
-            raise ValueError(f"unknown compute_dtype {self.compute_dtype!r}")
 
     @property
     def is_atom(self) -> bool:
@@ -127,12 +90,10 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     def for_inference(self, exact: bool = True) -> "EngineConfig":
-        """The engine as scoring, decoding, probing and growth checks run it: a few rows on
-        one device, so one row stream and one dispatch slice (execution settings: the same
-        numbers), and, when exact (the default), no capacity: every token gets its top_k
-        experts, the function the weights define and the PyTorch engine computes."""
-        cfg = self.replace(row_streams=1, moe_shards=1)
-        return cfg.replace(capacity_factor=None) if exact else cfg
+        """The function scoring, decoding, probing and growth checks compute: when exact (the
+        default), with no capacity, so every token gets its top_k experts, the function the
+        weights define and the PyTorch engine computes; otherwise as trained."""
+        return self.replace(capacity_factor=None) if exact else self
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], unknown: str = "warn", log: Optional[Callable[[str], None]] = None,
@@ -141,6 +102,69 @@ class EngineConfig:
         does not know and to fields the dict lacks). A PyTorch checkpoint's "config" carries
         keys of the PyTorch trainer and none of the JAX-side fields: read it with unknown="ignore"."""
         return cls(**field_values(cls, d, unknown, log, where))
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How a machine computes an EngineConfig's function: none of these changes the weights
+    or what they compute (up to the rounding of compute_dtype), so a run may change any of
+    them when it resumes, and an export does not carry them."""
+    # "auto": the forms tuned for XLA:CPU on a CPU backend, the plain formulation elsewhere;
+    # "plain" or "cpu" force one (fractus_jax/kernels/select.py: kernels/plain.py or kernels/cpu.py, the same function).
+    kernels: str = "auto"
+    compute_dtype: str = "float32"
+    remat: bool = False
+    # Layers per iteration of the layer scan (n_layers: no loop at all). Unrolling lets XLA
+    # keep each layer's saved activations in their own buffers instead of copying them into
+    # stacked ones (on CPU, docs/performance.md); compile time grows with it.
+    scan_unroll: int = 1
+    # Independent row streams, a CPU schedule (leave it at 1 on a GPU): the batch runs as this
+    # many row slices, each through every layer on its own, so that XLA:CPU runs them on
+    # different cores at once. Only the load-balance term joins them (P_e stays the mean over
+    # every token). A stream holds whole MoE dispatch groups, so row_streams > 1 needs
+    # moe_group_rows set (checked where the batch is known). The numbers are one stream's
+    # with the same groups. It pays with the layer loop unrolled (scan_unroll = n_layers);
+    # with the loop kept, two streams ran slower than one (smoke, docs/training.md).
+    row_streams: int = 1
+    # Dropless dispatch: the batch's rows dispatch as this many independent slices, one
+    # per device (the trainer sets it from the mesh) so that no token crosses devices.
+    # Dropless routing gives the same numbers for any value.
+    moe_shards: int = 1
+    # Dropless dispatch: each expert's assignments run in whole blocks of this many rows
+    # (at most one partial block per expert; docs/engine.md).
+    moe_block_rows: int = 32
+    attn_block_size: int = 64
+
+    def __post_init__(self):
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be {', '.join(map(repr, KERNELS[:-1]))} or {KERNELS[-1]!r}, "
+                             f"got {self.kernels!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
+        for name in ("scan_unroll", "row_streams", "moe_shards", "moe_block_rows", "attn_block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def replace(self, **changes) -> "Execution":
+        return dataclasses.replace(self, **changes)
+
+    def for_inference(self) -> "Execution":
+        """As scoring, decoding, probing and growth checks run: a few rows on one device, so
+        one row stream and one dispatch slice (the same numbers as any other count)."""
+        return self.replace(row_streams=1, moe_shards=1)
+
+
+EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(Execution))
+
+
+def split_fields(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A saved engine dict as (weight fields, execution fields): run directories written
+    before Execution existed keep both kinds under "model"."""
+    return ({k: v for k, v in d.items() if k not in EXECUTION_FIELDS},
+            {k: v for k, v in d.items() if k in EXECUTION_FIELDS})
 
 
 UNKNOWN_KEYS = ("warn", "ignore", "error")
@@ -196,6 +220,11 @@ def tiny(**overrides) -> EngineConfig:
     """A few-thousand-parameter engine for tests: every code path, seconds to compile."""
     base = dict(vocab_size=ATOM_VOCAB, d_model=32, n_layers=2, n_heads=2, d_head=16,
                 n_levels=2, n_oscillators=8, coupling_rank=4, n_experts=8, top_k=2,
-                expert_d_ff=48, siren_rank=8, variant="atom", attn_block_size=8)
+                expert_d_ff=48, siren_rank=8, variant="atom")
     base.update(overrides)
     return EngineConfig(**base)
+
+
+# The tiny engine's execution in tests and in the tiny run config: attention blocks of 8
+# positions, so that a chunk of a few dozen spans several.
+TINY_EXECUTION = Execution(attn_block_size=8)

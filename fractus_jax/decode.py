@@ -37,7 +37,7 @@ import numpy as np
 from fractus_jax import model
 from fractus_jax.atom.ids import EOS as EOS_ID
 from fractus_jax.atom.ids import PAD as PAD_ID
-from fractus_jax.config import EngineConfig
+from fractus_jax.config import EngineConfig, Execution
 from fractus_jax.dtypes import accum_dtype
 
 MODES = ("step", "window")
@@ -77,25 +77,25 @@ def select_ids(logits_BxV, key, temperature: Optional[float], top_k: int):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _last(params, cfg, state, ids_BxC):
+def _last(params, cfg, ex, state, ids_BxC):
     """One chunk forward; (logits at the last position (B, V), confidence there (B,), new state)."""
-    h, _, new_state = model.forward_hidden(params, state, ids_BxC, cfg)
+    h, _, new_state = model.forward_hidden(params, state, ids_BxC, cfg, ex=ex)
     h_last = h[:, -1]
     logits = model.logits_from_hidden(params, h_last[:, None])[:, 0]
     return logits, model.confidence(params, h_last), new_state
 
 
 @partial(jax.jit, static_argnames=("cfg", "max_new", "mode", "window", "temperature", "top_k",
-                                   "eos_id", "pad_id"))
+                                   "eos_id", "pad_id", "ex"))
 def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: str = "step",
                window: int = 64, temperature: Optional[float] = None, top_k: int = 0, key=None,
-               eos_id: int = EOS_ID, pad_id: int = PAD_ID):
+               eos_id: int = EOS_ID, pad_id: int = PAD_ID, ex: Execution = Execution()):
     """Decode up to ``max_new`` ids after each prompt row; returns (ids_BxN, confidence_BxN, n_valid_B).
 
     ids are int32 with ``pad_id`` after a row's EOS; confidence is float32,
     sigmoid(confidence_head(h_last)) of the call that produced each id (0 after EOS);
     n_valid counts each row's generated ids, its EOS included. ``window`` is used only by
-    mode "window". All of cfg, max_new, mode, window, temperature, top_k are static.
+    mode "window". All of cfg, max_new, mode, window, temperature, top_k, ex are static.
     """
     check_decode_args(cfg, max_new, mode, window, temperature, top_k)
     prompt = jnp.asarray(prompt_ids_BxP, jnp.int32)
@@ -127,12 +127,12 @@ def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: st
         return (c[0] < N) & ~jnp.all(c[-1][2])
 
     if mode == "step":
-        logits, conf, state = _last(params, cfg, zero, prompt)
+        logits, conf, state = _last(params, cfg, ex, zero, prompt)
         last, out = emit(0, logits, conf, out0)
 
         def body(c):
             i, state, last, out = c
-            logits, conf, state = _last(params, cfg, state, last[:, None])
+            logits, conf, state = _last(params, cfg, ex, state, last[:, None])
             last, out = emit(i, logits, conf, out)
             return i + 1, state, last, out
 
@@ -146,7 +146,7 @@ def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: st
         def body(c):
             i, seq, out = c
             ids_win = jax.lax.dynamic_slice(seq, (jnp.int32(0), P + i), (B, W))
-            logits, conf, _ = _last(params, cfg, zero, ids_win)
+            logits, conf, _ = _last(params, cfg, ex, zero, ids_win)
             new, out = emit(i, logits, conf, out)
             seq = jax.lax.dynamic_update_slice(seq, new[:, None], (jnp.int32(0), W + P + i))
             return i + 1, seq, out

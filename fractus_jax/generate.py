@@ -34,7 +34,7 @@ from fractus_jax import atom
 from fractus_jax.atom.ids import BOS, EOS, PAD, is_boundary
 from fractus_jax.atom.ids import NAMES as ATOM_NAMES
 from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
-from fractus_jax.config import EngineConfig
+from fractus_jax.config import EngineConfig, Execution
 from fractus_jax.decode import MODES, check_decode_args, decode_ids, speech_counts
 from fractus_jax.train import checkpoint as ckpt_lib
 
@@ -109,11 +109,13 @@ DEFAULT_WINDOW = 64   # window mode's width for a run that carried its state acr
 
 def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_new: int = 40,
              mode: str = "step", window: int = DEFAULT_WINDOW, temperature: Optional[float] = None,
-             top_k: int = 0, seed: int = 0, exact_routing: bool = True) -> list[Generation]:
+             top_k: int = 0, seed: int = 0, exact_routing: bool = True,
+             ex: Execution = Execution()) -> list[Generation]:
     """Encode, batch (left-padded), decode and detokenize; one `Generation` per prompt.
 
     ``exact_routing`` (default) decodes with ``capacity_factor=None``; False keeps the
-    config's capacity, under which rows and pads compete for expert slots.
+    config's capacity, under which rows and pads compete for expert slots. ``ex``: how the
+    engine is computed (the CLI passes the run's own settings).
     """
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -127,12 +129,12 @@ def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_
         check_decode_args(cfg, max_new, mode, window, temperature, top_k)
     except ValueError as e:
         raise GenerateError(str(e)) from e
-    cfg = cfg.for_inference(exact=exact_routing)
+    cfg, ex = cfg.for_inference(exact=exact_routing), ex.for_inference()
     encoded, batch = encode_prompts(prompts)
     prompt_ids = jnp.asarray(batch)
     key = jax.random.PRNGKey(int(seed))
     static = dict(max_new=int(max_new), mode=mode, window=int(window),
-                  temperature=None if temperature is None else float(temperature), top_k=int(top_k))
+                  temperature=None if temperature is None else float(temperature), top_k=int(top_k), ex=ex)
     compiled = decode_ids.lower(params, cfg, prompt_ids, key=key, **static).compile()
     t0 = time.perf_counter()
     ids, conf, n_valid = jax.block_until_ready(compiled(params, prompt_ids, key=key))
@@ -154,13 +156,14 @@ def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_
 
 # ----------------------------------------------------------------------------- CLI
 
-def trained_mode(run_dir: str, step: Optional[int] = None) -> tuple[str, Optional[int]]:
-    """(mode, window) the run's checkpoint trained for: ("window", accum·seq_len) when every
-    step started from the initial carry (TrainConfig.trained_window), else ("step", None)."""
+def trained_settings(run_dir: str, step: Optional[int] = None) -> tuple[str, Optional[int], Execution]:
+    """(mode, window, execution) of the run's checkpoint: ("window", accum·seq_len) when every
+    step started from the initial carry (TrainConfig.trained_window), else ("step", None);
+    and how the run computed its engine (dtype, kernels)."""
     run, named = ckpt_lib.resolve_checkpoint(run_dir)
     _, _, cfg = ckpt_lib.read_step(run, named if step is None else step)
     window = cfg.trained_window()
-    return ("window", window) if window else ("step", None)
+    return ("window", window, cfg.execution) if window else ("step", None, cfg.execution)
 
 
 def load_run(run_dir: str, step: Optional[int] = None):
@@ -241,11 +244,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # is the loaded engine's vocab.
     try:
         params, cfg = load_run(args.ckpt, args.step)
-        mode, window = (args.mode, None) if args.mode else trained_mode(args.ckpt, args.step)
+        mode, window, ex = trained_settings(args.ckpt, args.step)
+        if args.mode:
+            mode, window = args.mode, None
         window = args.window if args.window is not None else (window or DEFAULT_WINDOW)
         results = generate(params, cfg, args.prompt, max_new=args.max_new, mode=mode,
                            window=window, temperature=args.temperature, top_k=args.top_k,
-                           seed=args.seed)
+                           seed=args.seed, ex=ex)
     except (GenerateError, OSError, ValueError, KeyError) as e:
         _fail(str(e) or type(e).__name__)
     for r in results:

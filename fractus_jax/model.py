@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fractus_jax.atom import ids as atom_ids
-from fractus_jax.config import EngineConfig
+from fractus_jax.config import EngineConfig, Execution
 from fractus_jax.dtypes import accum_dtype
 from fractus_jax.kernels import kuramoto as kur_k
 from fractus_jax.kernels import mixed
@@ -167,14 +167,15 @@ def reset_state_rows(state: State, rows_B) -> State:
 
 # ----------------------------------------------------------------------------- forward
 
-def _dtypes(params: Params, cfg: EngineConfig):
+def _dtypes(params: Params, ex: Execution):
     """(accumulation dtype, matmul dtype): float64 params run float64 throughout."""
     acc = accum_dtype(params["observe"].dtype)
-    return acc, (acc if acc == jnp.float64 else jnp.dtype(cfg.compute_dtype))
+    return acc, (acc if acc == jnp.float64 else jnp.dtype(ex.compute_dtype))
 
 
 @jax.named_scope("attention")
-def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, forms: select.Forms, mm_dtype):
+def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, ex: Execution, forms: select.Forms,
+               mm_dtype):
     """Causal linear attention at every level l (features elu1(· + ω_l)), mixed by
     softmax(level_logits), with the carried (S, z) the levels' mean (docs/spec.md §3.1)."""
     B, C, D = x_BxCxD.shape
@@ -183,7 +184,7 @@ def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, for
     qf, kf, v_BxHxCxd = forms.qkv_features(x_BxCxD.astype(acc), w_Dx3xD, p["b_qkv"], omega_L, cfg.n_heads, mm_dtype)
     mix_L = jax.nn.softmax(p["level_logits"])
     a_BxHxCxd, S, z = forms.level_attention(qf, kf, v_BxHxCxd, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L,
-                                            cfg.attn_block_size, forms.linear_attention)
+                                            ex.attn_block_size, forms.linear_attention)
     a_BxCxD = a_BxHxCxd.transpose(0, 2, 1, 3).reshape(B, C, D)
     return mixed.einsum("bcd,de->bce", a_BxCxD, p["w_out"], mm_dtype, acc) + p["b_out"], S, z
 
@@ -202,7 +203,7 @@ def _phases(p, y_BxCxD, cfg: EngineConfig, forms: select.Forms):
 
 
 @jax.named_scope("moe")
-def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, forms: select.Forms, mm_dtype):
+def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, ex: Execution, forms: select.Forms, mm_dtype):
     """Phase-routed top-k of the low-rank experts (docs/spec.md §3.3-3.4): (y, routing stats)."""
     B, C, D = x_BxCxD.shape
     E, K = cfg.n_experts, cfg.top_k
@@ -211,7 +212,7 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, forms: select.Forms, mm_dty
                           cfg.moe_kappa / cfg.gate_temperature, forms.sin_cos)
     idx, w = moe_k.top_k_route(g_BxCxE, K)
     if cfg.capacity_factor is None:           # groups only keep tokens on their device
-        n_groups = cfg.moe_shards if B % cfg.moe_shards == 0 else 1
+        n_groups = ex.moe_shards if B % ex.moe_shards == 0 else 1
     else:
         rows = cfg.moe_group_rows or B
         if B % rows:
@@ -224,7 +225,7 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, forms: select.Forms, mm_dty
     x_GxTxD = x_BxCxD.reshape(n_groups, T, D).astype(mm_dtype)
     idx_GxTxK, w_GxTxK = idx.reshape(n_groups, T, K), w.reshape(n_groups, T, K).astype(mm_dtype)
     if cfg.capacity_factor is None:
-        y = moe_k.moe_dropless(x_GxTxD, idx_GxTxK, w_GxTxK, factors, cfg.moe_block_rows)
+        y = moe_k.moe_dropless(x_GxTxD, idx_GxTxK, w_GxTxK, factors, ex.moe_block_rows)
         kept = jnp.ones(idx_GxTxK.shape, bool)
     else:
         capacity = moe_k.expert_capacity(T, E, K, cfg.capacity_factor)
@@ -235,26 +236,27 @@ def _moe(p, x_BxCxD, theta_BxCxN, cfg: EngineConfig, forms: select.Forms, mm_dty
     return y.reshape(B, C, D).astype(x_BxCxD.dtype), stats
 
 
-def block_forward(p, h_BxCxD, carry, reset_BxC, cfg: EngineConfig, mm_dtype, forms: select.Forms | None = None):
+def block_forward(p, h_BxCxD, carry, reset_BxC, cfg: EngineConfig, ex: Execution, mm_dtype,
+                  forms: select.Forms | None = None):
     """One block on a chunk: (h, (S, z, phase)) → (h, (S, z, phase), stats)."""
-    forms = forms or select.forms(cfg.kernels)
+    forms = forms or select.forms(ex.kernels)
     S, z, _ = carry
 
     def norm(x, q):
         with jax.named_scope("layernorm"):
             return forms.layer_norm(x, q, cfg.ln_eps)
 
-    a, S, z = _attention(p["attn"], norm(h_BxCxD, p["norm_attn"]), S, z, reset_BxC, cfg, forms, mm_dtype)
+    a, S, z = _attention(p["attn"], norm(h_BxCxD, p["norm_attn"]), S, z, reset_BxC, cfg, ex, forms, mm_dtype)
     h = h_BxCxD + a
     theta = _phases(p["kuramoto"], norm(h, p["norm_kur"]), cfg, forms)
-    m, stats = _moe(p["moe"], norm(h, p["norm_moe"]), theta, cfg, forms, mm_dtype)
+    m, stats = _moe(p["moe"], norm(h, p["norm_moe"]), theta, cfg, ex, forms, mm_dtype)
     return h + m, (S, z, theta[:, -1]), stats
 
 
 @jax.named_scope("embed")
 def embed(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
     """observe[ids] + atom features at boundary ids + the thought at position 0; reset mask."""
-    acc, _ = _dtypes(params, cfg)
+    acc = accum_dtype(params["observe"].dtype)
     h = params["observe"][ids_BxC].astype(acc)
     if feats is not None:
         if not cfg.is_atom:
@@ -271,25 +273,25 @@ def embed(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
     return h, reset
 
 
-def _forward_rows(params: Params, state: State, ids_BxC, feats, cfg: EngineConfig):
+def _forward_rows(params: Params, state: State, ids_BxC, feats, cfg: EngineConfig, ex: Execution):
     """Embedding and every layer: (h, new_state, per-layer routing stats)."""
-    acc, mm_dtype = _dtypes(params, cfg)
-    forms = select.forms(cfg.kernels)
+    acc, mm_dtype = _dtypes(params, ex)
+    forms = select.forms(ex.kernels)
     h, reset = embed(params, state, ids_BxC, cfg, feats)
 
     def layer(h, xs):
         p, S, z, phase = xs
-        h, (S, z, phase), stats = block_forward(p, h, (S, z, phase), reset, cfg, mm_dtype, forms)
+        h, (S, z, phase), stats = block_forward(p, h, (S, z, phase), reset, cfg, ex, mm_dtype, forms)
         return h, (S, z, phase, stats)
 
-    if cfg.remat:
+    if ex.remat:
         layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
     carry_in = (state["S"].astype(acc), state["z"].astype(acc), state["phase"].astype(acc))
-    h, (S, z, phase, stats) = jax.lax.scan(layer, h, (params["blocks"], *carry_in), unroll=cfg.scan_unroll)
+    h, (S, z, phase, stats) = jax.lax.scan(layer, h, (params["blocks"], *carry_in), unroll=ex.scan_unroll)
     return h, {"thought": h[:, -1], "S": S, "z": z, "phase": phase}, stats
 
 
-# Row streams (cfg.row_streams, one device): the rows run as independent slices, joined
+# Row streams (Execution.row_streams, one device): the rows run as independent slices, joined
 # only by the load balance, whose P_e is the mean of the streams' (equal row counts: the
 # mean over every token). Per output: rows concatenated on an axis, or a sum or mean over
 # the streams; the stats are (keep rate, expert hits, gate mean, expert choices).
@@ -304,18 +306,19 @@ def as_arrays(tree):
 
 
 def forward_hidden(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None,
-                   carry_grad: bool = False):
+                   carry_grad: bool = False, ex: Execution = Execution()):
     """The chunk forward up to the last hidden state: (h (B, C, D), Aux, new_state).
 
     The new state is detached (no gradient flows through it into the next chunk, as the
     PyTorch engine's `.detach()`) unless carry_grad: the trainer's bptt_chunks
     differentiates through it. Takes host arrays as well as device arrays, with or without jit.
-    With cfg.row_streams = n the rows run as n independent slices (their own embedding,
+    `ex` says how it is computed (kernels, dtype, remat, blocks), not what.
+    With ex.row_streams = n the rows run as n independent slices (their own embedding,
     layers and state), joined only by the load balance, whose P_e is the mean of the
     streams' (equal row counts: the mean over every token)."""
     params, state, ids_BxC, feats = as_arrays((params, state, ids_BxC, feats))
-    forward = functools.partial(_forward_rows, cfg=cfg)
-    n = cfg.row_streams
+    forward = functools.partial(_forward_rows, cfg=cfg, ex=ex)
+    n = ex.row_streams
     if n > 1:
         B = ids_BxC.shape[0]
         if B % n or cfg.moe_group_rows == 0 or (B // n) % cfg.moe_group_rows:
@@ -335,9 +338,10 @@ def logits_from_hidden(params: Params, h_BxCxD):
     return jnp.einsum("bcd,vd->bcv", h_BxCxD, params["observe"].astype(h_BxCxD.dtype))
 
 
-def forward_chunk(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None):
-    """(logits (B, C, V), lb, new_state): the engine on one chunk, jit-able with cfg static."""
-    h, aux, new_state = forward_hidden(params, state, ids_BxC, cfg, feats)
+def forward_chunk(params: Params, state: State, ids_BxC, cfg: EngineConfig, feats=None,
+                  ex: Execution = Execution()):
+    """(logits (B, C, V), lb, new_state): the engine on one chunk, jit-able with cfg and ex static."""
+    h, aux, new_state = forward_hidden(params, state, ids_BxC, cfg, feats, ex=ex)
     return logits_from_hidden(params, h), aux.lb, new_state
 
 

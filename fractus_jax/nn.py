@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fractus_jax import model
-from fractus_jax.config import EngineConfig
+from fractus_jax.config import EngineConfig, Execution
 from fractus_jax.dtypes import accum_dtype
 
 
@@ -47,10 +47,12 @@ class FractusEngine(nnx.Module):
     """The engine with its weights and its carried state; ``m(ids, feats=None) -> (logits, lb)``."""
 
     def __init__(self, cfg: EngineConfig, batch_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 params: Optional[model.Params] = None, state: Optional[model.State] = None):
+                 params: Optional[model.Params] = None, state: Optional[model.State] = None,
+                 ex: Execution = Execution()):
         """Fresh weights from ``rngs.params()`` (model.init_params), or the given ``params``
-        tree; a zero carry for ``batch_size`` rows, or the given ``state``."""
-        self.cfg = cfg
+        tree; a zero carry for ``batch_size`` rows, or the given ``state``. ``ex``: how the
+        forward is computed (kernels, dtype, remat, blocks)."""
+        self.cfg, self.ex = cfg, ex
         if params is None:
             params = model.init_params(cfg, rngs.params(), dtype)
         self._param_names = tuple(params)
@@ -65,10 +67,10 @@ class FractusEngine(nnx.Module):
 
     @classmethod
     def from_params(cls, cfg: EngineConfig, params: model.Params, batch_size: int,
-                    state: Optional[model.State] = None) -> "FractusEngine":
+                    state: Optional[model.State] = None, ex: Execution = Execution()) -> "FractusEngine":
         """A module around a pure parameter tree (init_params, a checkpoint, the converter;
         host arrays too) with a zero carry, or the given pure ``state``."""
-        return cls(cfg, batch_size, rngs=nnx.Rngs(0), params=params, state=state)
+        return cls(cfg, batch_size, rngs=nnx.Rngs(0), params=params, state=state, ex=ex)
 
     def to_params(self) -> model.Params:
         """The pure parameter tree (plain nested dicts of arrays, buffers included)."""
@@ -86,7 +88,8 @@ class FractusEngine(nnx.Module):
             self.carry[k] = Carry(v)
 
     def __call__(self, ids_BxC, feats=None):
-        logits, lb, new_state = model.forward_chunk(self.to_params(), self.carried(), ids_BxC, self.cfg, feats)
+        logits, lb, new_state = model.forward_chunk(self.to_params(), self.carried(), ids_BxC, self.cfg, feats,
+                                                   ex=self.ex)
         for k, v in new_state.items():
             self.carry[k][...] = v
         return logits, lb

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     result = plan_memory(cfg)
     d = result["per_device"]
     print(f"{args.config}: batch {cfg.batch_size} x seq {cfg.seq_len} x accum {cfg.accum}, {cfg.optimizer}, "
-          f"remat {cfg.model.remat}, {cfg.model.compute_dtype}, mesh data={cfg.mesh.data} fsdp={cfg.mesh.fsdp}")
+          f"remat {cfg.execution.remat}, {cfg.execution.compute_dtype}, mesh data={cfg.mesh.data} fsdp={cfg.mesh.fsdp}")
     for key in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "total_bytes"):
         print(f"  {key:<16} {d[key] / GIB:8.2f} GiB per device")
     print(f"  params {result['params_bytes_per_device'] / GIB:.2f} GiB, optimizer state "

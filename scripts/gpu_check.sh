@@ -71,7 +71,7 @@ for batch in $BATCHES; do
   if [ "$limit" -eq 0 ] || [ "$total" -lt $((limit * 9 / 10)) ]; then best=$batch; break; fi
 done
 best=${best:-${BATCHES##* }}
-# model.kernels is left at "auto": the plain forms on a GPU (the CPU-tuned ones only run on a
+# execution.kernels is left at "auto": the plain forms on a GPU (the CPU-tuned ones only run on a
 # CPU backend, docs/engine.md); train.json's "kernels" says which ran.
 log "bench train $CONFIG at batch $best"
 timeout "$(limit_s 200)" python3 -m fractus_jax.bench train --config "$CONFIG" --set batch_size=$best --steps "$STEPS" --json \
@@ -89,7 +89,7 @@ timeout "$(limit_s 90)" python3 -m fractus_jax.bench attention --batch "$ATTN_BA
   && last_json "$RAW/attention.txt" >"$OUT/attention.json"
 log "attention: $(last_json "$RAW/attention.txt")"
 
-timeout "$(limit_s 120)" python3 -m fractus_jax.bench train --config "$DISPATCH_CONFIG" --set model.row_streams=1 \
+timeout "$(limit_s 120)" python3 -m fractus_jax.bench train --config "$DISPATCH_CONFIG" --set execution.row_streams=1 \
     --steps 3 --dispatch --json >"$RAW/dispatch.txt" 2>&1 \
   && last_json "$RAW/dispatch.txt" | python3 -c "import json, sys; print(json.dumps(json.load(sys.stdin)['dispatch']))" \
     >"$OUT/dispatch.json"

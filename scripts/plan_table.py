@@ -27,7 +27,7 @@ def main(argv=None) -> int:
         for batch in args.batches:
             for remat in ("true", "false"):
                 cmd = [sys.executable, "-m", "fractus_jax.plan", "--config", args.config, "--devices", str(devices),
-                       "--json", f"--set=batch_size={batch}", f"--set=model.remat={remat}",
+                       "--json", f"--set=batch_size={batch}", f"--set=execution.remat={remat}",
                        *[f"--set={o}" for o in args.overrides]]
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode != 0:

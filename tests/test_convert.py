@@ -222,7 +222,7 @@ def _jax_train_step(snap, ids, x64: bool = False):
     with float32 roundings of their own: on the sums that cancel over the batch, up to 1.1e-4
     of a leaf's update where the plain forms and PyTorch differ by 4e-5); with x64, in
     float64 (the weights, moments and carry cast up), as `_float64_step` on the PyTorch side."""
-    cfg = cfg_lib.apply_overrides(snap.cfg, ["model.kernels=plain"])
+    cfg = cfg_lib.apply_overrides(snap.cfg, ["execution.kernels=plain"])
     state = {"params": snap.params, "opt_state": snap.opt_state, "carry": snap.carry,
              "step": np.asarray(snap.step, np.int32), "skipped": np.asarray(snap.skipped, np.int32)}
     batch = {"ids": np.asarray(ids.numpy()[None], np.int32)}

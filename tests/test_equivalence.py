@@ -62,7 +62,7 @@ def _capture_routes(ref, cfg):
     return routes
 
 
-def _run_both(cfg, dtype_name, seed=0):
+def _run_both(cfg, dtype_name, seed=0, ex=config.TINY_EXECUTION):
     jdtype = jnp.float64 if dtype_name == "float64" else jnp.float32
     tdtype = torch.float64 if dtype_name == "float64" else torch.float32
     params = fj.init_params(cfg, jax.random.PRNGKey(seed), jdtype)
@@ -73,7 +73,7 @@ def _run_both(cfg, dtype_name, seed=0):
     ids, feats, probe = _chunks(cfg, seed)
 
     def jax_loss(p, s, i, f, pr):
-        h, aux, new_s = model.forward_hidden(p, s, i, cfg, f)
+        h, aux, new_s = model.forward_hidden(p, s, i, cfg, f, ex=ex)
         logits = model.logits_from_hidden(p, h)
         return jnp.sum(logits * pr) + aux.lb, (logits, aux, new_s)
 
@@ -118,10 +118,9 @@ def _assert_not_trivial(out):
 
 @pytest.mark.parametrize("variant", ["atom", "parent"])
 def test_float64_forward_state_and_gradients_match(variant):
-    cfg = config.tiny(variant=variant, capacity_factor=None, attn_block_size=4,
-                      bos_id=config.ATOM_BOS if variant == "atom" else None)
+    cfg = config.tiny(variant=variant, capacity_factor=None, bos_id=config.ATOM_BOS if variant == "atom" else None)
     with jax.enable_x64(True):
-        out = _run_both(cfg, "float64")
+        out = _run_both(cfg, "float64", ex=config.Execution(attn_block_size=4))
     _assert_not_trivial(out)
     worst = dict.fromkeys(("logits", "state", "phases", "gradients"), 0.0)
     for c, chunk in enumerate(out):

@@ -232,10 +232,15 @@ def test_decode_core_stops_rows_at_eos_independently(trained):
 # ----------------------------------------------------------------------------- the CLI
 
 def _fake_checkpoint_module(monkeypatch, params, cfg, calls):
+    """The checkpoint module's readers, as for a run directory of `cfg` trained from a
+    carried state (mode "step", the default execution settings)."""
     def load_for_inference(run_dir, step=None):
         calls.append((run_dir, step))
         return params, cfg
+
     monkeypatch.setattr(ckpt, "load_for_inference", load_for_inference)
+    monkeypatch.setattr(ckpt, "resolve_checkpoint", lambda run_dir: (run_dir, None))
+    monkeypatch.setattr(ckpt, "read_step", lambda run_dir, step: (step or 1, {}, tconfig.TrainConfig(model=cfg)))
 
 
 @pytest.mark.slow   # the 450-step memorisation fixture

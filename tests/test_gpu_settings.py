@@ -1,6 +1,6 @@
 """atom_1b's GPU execution settings end to end on the tiny config: plain kernels, bfloat16
-compute, remat (`--set model.kernels=plain --set model.compute_dtype=bfloat16 --set
-model.remat=true`). One run is trained by the trainer and shared: bit-exact resume, one
+compute, remat (`--set execution.kernels=plain --set execution.compute_dtype=bfloat16 --set
+execution.remat=true`). One run is trained by the trainer and shared: bit-exact resume, one
 device against 2×4 and 8×1 fake devices bounded leaf by leaf by each leaf's own update,
 export/import round trip, eval, generate, and a 10k-id lane streamed under bfloat16 and
 float32 with the drift of the carried state and of the CE bounded (docs/engine.md,
@@ -27,7 +27,7 @@ from fractus_jax.train import state as state_lib
 from fractus_jax.train.data import LaneReader, global_batch
 from fractus_jax.train.step import batch_shardings, jit_train_step
 
-GPU = ["model.kernels=plain", "model.compute_dtype=bfloat16", "model.remat=true"]
+GPU = ["execution.kernels=plain", "execution.compute_dtype=bfloat16", "execution.remat=true"]
 # batch 8: rows for every one of the 8 fake devices; saves at 2 and 4 (the resume point).
 RUN = ["batch_size=8", "max_steps=4", "save_every=2"]
 MESHES = [(2, 4), (8, 1)]
@@ -63,8 +63,8 @@ def restore(workdir, cfg, step=None):
 def run(corpus_file, tmp_path_factory):
     """(cfg, run dir at step 4, plan): the trainer under the GPU settings on one device."""
     cfg = gpu_cfg(corpus_file)
-    m = cfg.model
-    assert (m.kernels, m.compute_dtype, m.remat) == ("plain", "bfloat16", True)
+    ex = cfg.execution
+    assert (ex.kernels, ex.compute_dtype, ex.remat) == ("plain", "bfloat16", True)
     workdir = tmp_path_factory.mktemp("gpu") / "run"
     plan = train(cfg, workdir)
     return cfg, workdir, plan
@@ -216,14 +216,14 @@ def lane(corpus_file, tmp_path_factory):
     return ids, path
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _stream(params, ids, cfg):
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _stream(params, ids, cfg, ex):
     """Per chunk of one lane, the carry flowing: (CE, S, z)."""
     inputs = ids[:-1].reshape(LANE_CHUNKS, 1, LANE_CHUNK)
     targets = ids[1:].reshape(LANE_CHUNKS, 1, LANE_CHUNK)
 
     def chunk(carry, xs):
-        h, _, carry = model.forward_hidden(params, carry, xs[0], cfg)
+        h, _, carry = model.forward_hidden(params, carry, xs[0], cfg, ex=ex)
         ce, _ = cross_entropy_terms(h.astype(jnp.float32), params["observe"], xs[1], LANE_CHUNK)
         return carry, (ce, carry["S"], carry["z"])
 
@@ -233,10 +233,10 @@ def _stream(params, ids, cfg):
 @pytest.fixture(scope="module")
 def streamed(run, lane):
     """{dtype: (CE, S, z) per chunk} of the trained weights along the lane, exact routing."""
-    _, workdir, _ = run
+    run_cfg, workdir, _ = run
     params, cfg = ckpt_lib.load_for_inference(workdir)
-    cfg = cfg.replace(capacity_factor=None, moe_shards=1)
-    return {dt: jax.tree.map(np.asarray, _stream(params, jnp.asarray(lane[0]), cfg.replace(compute_dtype=dt)))
+    cfg, ex = cfg.for_inference(), run_cfg.execution.for_inference()
+    return {dt: jax.tree.map(np.asarray, _stream(params, jnp.asarray(lane[0]), cfg, ex.replace(compute_dtype=dt)))
             for dt in ("bfloat16", "float32")}
 
 
@@ -279,12 +279,12 @@ def test_eval_scores_the_lane_as_the_stream_does_and_the_import_alike(run, lane,
 
 
 def test_generate_greedy_continues_with_the_forward_argmax(run, capsys):
-    _, workdir, _ = run
+    run_cfg, workdir, _ = run
     params, cfg = ckpt_lib.load_for_inference(workdir)
     assert gen.main(["--ckpt", str(workdir), "--prompt", "def train(", "--max-new", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     prompt = np.asarray(out["prompt_ids"], np.int32)[None]
     assert 1 <= len(out["ids"]) <= 4 and all(0 <= i < cfg.vocab_size for i in out["ids"])
-    logits, _, _ = jax.jit(model.forward_chunk, static_argnums=3)(
-        params, model.init_state(cfg, 1), prompt, cfg.replace(capacity_factor=None, moe_shards=1))
+    logits, _, _ = jax.jit(model.forward_chunk, static_argnames=("cfg", "ex"))(
+        params, model.init_state(cfg, 1), prompt, cfg=cfg.for_inference(), ex=run_cfg.execution.for_inference())
     assert out["ids"][0] == int(np.argmax(np.asarray(logits[0, -1], np.float32)))

@@ -40,12 +40,12 @@ def test_scanned_layers_equal_a_layer_loop(variant):
         # float64 scan and its loop took most of the test's time.
         h_scan, aux, new_state = jax.jit(model.forward_hidden, static_argnums=3)(params, state, ids, cfg)
         h, reset = model.embed(params, state, ids, cfg)
-        block = jax.jit(model.block_forward, static_argnums=(4, 5))
+        block = jax.jit(model.block_forward, static_argnums=(4, 5, 6))
         for i in range(cfg.n_layers):
             p_i = jax.tree.map(lambda a: a[i], params["blocks"])
             h_prev = h
             h, (S, z, phase), stats = block(
-                p_i, h, (state["S"][i], state["z"][i], state["phase"][i]), reset, cfg, jnp.float64)
+                p_i, h, (state["S"][i], state["z"][i], state["phase"][i]), reset, cfg, config.Execution(), jnp.float64)
             assert float(jnp.abs(h - h_prev).max()) > 1e-4  # every layer does something
             np.testing.assert_allclose(S, new_state["S"][i], rtol=1e-13, atol=1e-13)
             np.testing.assert_allclose(phase, new_state["phase"][i], rtol=1e-13, atol=1e-13)
@@ -55,9 +55,9 @@ def test_scanned_layers_equal_a_layer_loop(variant):
         np.testing.assert_allclose(h, h_scan, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(variant="parent", attn_block_size=32, capacity_factor=1.0)])
-def test_cpu_kernels_compute_the_plain_function(kw):
-    """model.kernels="cpu" (every CPU-tuned form, kernels/select.py) against "plain", in
+@pytest.mark.parametrize("kw, block", [(dict(), 8), (dict(variant="parent", capacity_factor=1.0), 32)])
+def test_cpu_kernels_compute_the_plain_function(kw, block):
+    """execution.kernels="cpu" (every CPU-tuned form, kernels/select.py) against "plain", in
     float64: outputs, new state, load balance and the gradients of every parameter, with
     resets, a carried state, several attention blocks (and one, block 32 > C), capacity."""
     cfg = config.tiny(**kw)
@@ -68,7 +68,8 @@ def test_cpu_kernels_compute_the_plain_function(kw):
         ids = ids.at[1, 6].set(config.ATOM_BOS)
 
         def loss(p, kernels):
-            logits, lb, new_state = model.forward_chunk(p, state, ids, cfg.replace(kernels=kernels))
+            ex = config.Execution(kernels=kernels, attn_block_size=block)
+            logits, lb, new_state = model.forward_chunk(p, state, ids, cfg, ex=ex)
             return jnp.sum(jnp.tanh(logits)) + lb, (logits, lb, new_state)
 
         # Compiled, one program per form: op by op, the float64 backward took most of the test.
@@ -84,17 +85,20 @@ def test_cpu_kernels_compute_the_plain_function(kw):
 
 
 def test_for_inference_keeps_the_weights_and_drops_only_the_training_schedule():
-    """EngineConfig.for_inference: one row stream, one dispatch slice and, exact, no capacity;
-    every weight field and every other setting as it was."""
-    cfg = config.tiny(capacity_factor=1.25, moe_group_rows=2, row_streams=2, moe_shards=4,
-                      kernels="plain", remat=True, gate_temperature=1.5)
-    exact, routed = cfg.for_inference(), cfg.for_inference(exact=False)
-    assert (exact.capacity_factor, exact.row_streams, exact.moe_shards) == (None, 1, 1)
-    assert (routed.capacity_factor, routed.row_streams, routed.moe_shards) == (1.25, 1, 1)
-    changed = {"capacity_factor", "row_streams", "moe_shards"}
+    """EngineConfig.for_inference: exact, no capacity, every other field as it was;
+    Execution.for_inference: one row stream and one dispatch slice, every other setting kept."""
+    cfg = config.tiny(capacity_factor=1.25, moe_group_rows=2, gate_temperature=1.5)
+    ex = config.Execution(row_streams=2, moe_shards=4, kernels="plain", remat=True, compute_dtype="bfloat16")
+    exact, routed, one = cfg.for_inference(), cfg.for_inference(exact=False), ex.for_inference()
+    assert (exact.capacity_factor, routed, one.row_streams, one.moe_shards) == (None, cfg, 1, 1)
     for f in dataclasses.fields(cfg):
-        if f.name not in changed:
-            assert getattr(exact, f.name) == getattr(routed, f.name) == getattr(cfg, f.name), f.name
+        if f.name != "capacity_factor":
+            assert getattr(exact, f.name) == getattr(cfg, f.name), f.name
+    for f in dataclasses.fields(ex):
+        if f.name not in ("row_streams", "moe_shards"):
+            assert getattr(one, f.name) == getattr(ex, f.name), f.name
+    # The two kinds of field stay apart: a weight setting is no execution field, and back.
+    assert not {f.name for f in dataclasses.fields(cfg)} & set(config.EXECUTION_FIELDS)
 
 
 def test_kernels_auto_takes_the_cpu_forms_on_a_cpu_only():
@@ -103,7 +107,7 @@ def test_kernels_auto_takes_the_cpu_forms_on_a_cpu_only():
     assert select.forms("cpu") is select.CPU and select.forms("plain") is select.PLAIN
     assert select.CPU != select.PLAIN
     with pytest.raises(ValueError, match="kernels"):
-        config.tiny(kernels="gpu")
+        config.Execution(kernels="gpu")
 
 
 @pytest.mark.slow
@@ -111,7 +115,7 @@ def test_row_streams_change_nothing_but_the_schedule():
     """Two row streams give one stream's numbers (same dispatch groups): outputs, state,
     routing statistics and gradients, in float64, with capacity drops and a carried state."""
     cfg = config.tiny(n_layers=2, capacity_factor=1.0, moe_group_rows=2)
-    streams = cfg.replace(row_streams=2)
+    one, streams = config.TINY_EXECUTION, config.TINY_EXECUTION.replace(row_streams=2)
     with jax.enable_x64(True):
         params, state, ids = _tiny_inputs(cfg, B=4, C=16, dtype=jnp.float64)
         params = move_off_init(params, jax.random.PRNGKey(9))
@@ -120,19 +124,19 @@ def test_row_streams_change_nothing_but_the_schedule():
         feats = jax.random.normal(next(keys), (4, 16, cfg.atom_feat_dim), jnp.float64)
         ids = ids.at[:, 3].set(262)       # boundary ids: the features enter
 
-        def run(p, c):
-            h, aux, new_state = model.forward_hidden(p, state, ids, c, feats)
+        def run(p, ex):
+            h, aux, new_state = model.forward_hidden(p, state, ids, cfg, feats, ex=ex)
             return jnp.sum(jnp.sin(h)) + aux.lb, (h, aux, new_state)
 
         # Compiled, one program per config (op by op, the float64 backward took most of the test).
         value_and_grad = jax.jit(jax.value_and_grad(run, has_aux=True), static_argnums=1)
-        (loss1, out1), g1 = value_and_grad(params, cfg)
+        (loss1, out1), g1 = value_and_grad(params, one)
         (loss2, out2), g2 = value_and_grad(params, streams)
         # The test can fail: the streams' own load balances do not average to the global one,
         # capacity dropped assignments, and the rows differ.
         halves = [model.forward_hidden(params, {k: jnp.split(v, 2, model.STATE_ROW_AXIS[k])[i]
                                                 for k, v in state.items()},
-                                       ids[2 * i:2 * i + 2], cfg, feats[2 * i:2 * i + 2])[1].lb
+                                       ids[2 * i:2 * i + 2], cfg, feats[2 * i:2 * i + 2], ex=one)[1].lb
                   for i in range(2)]
         assert abs(float(sum(halves)) / 2 - float(out1[1].lb)) > 1e-6
         assert float(out1[1].keep_rate.min()) < 1.0
@@ -143,10 +147,11 @@ def test_row_streams_change_nothing_but_the_schedule():
 
 def test_row_streams_need_whole_dispatch_groups():
     params, state, ids = _tiny_inputs(config.tiny(), B=2, C=8)
+    two = config.Execution(row_streams=2)
     for groups in (0, 2):     # the whole batch as one group; a group as large as the batch
         with pytest.raises(ValueError, match="row streams"):
-            model.forward_hidden(params, state, ids, config.tiny(row_streams=2, moe_group_rows=groups))
-    model.forward_hidden(params, state, ids, config.tiny(row_streams=2, moe_group_rows=1))
+            model.forward_hidden(params, state, ids, config.tiny(moe_group_rows=groups), ex=two)
+    model.forward_hidden(params, state, ids, config.tiny(moe_group_rows=1), ex=two)
 
 
 @pytest.mark.slow
@@ -155,12 +160,12 @@ def test_remat_changes_nothing_but_memory():
     with jax.enable_x64(True):   # float64: remat may reorder float32 rounding, nothing more
         params, state, ids = _tiny_inputs(cfg, dtype=jnp.float64)
 
-        def loss(p, c):
-            logits, lb, _ = fj.forward_chunk(p, state, ids, c)
+        def loss(p, ex):
+            logits, lb, _ = fj.forward_chunk(p, state, ids, cfg, ex=ex)
             return jnp.mean(logits ** 2) + lb
 
-        g1 = jax.jit(jax.grad(loss), static_argnums=1)(params, cfg)
-        g2 = jax.jit(jax.grad(loss), static_argnums=1)(params, cfg.replace(remat=True))
+        g1 = jax.jit(jax.grad(loss), static_argnums=1)(params, config.TINY_EXECUTION)
+        g2 = jax.jit(jax.grad(loss), static_argnums=1)(params, config.TINY_EXECUTION.replace(remat=True))
     assert float(jnp.abs(g1["blocks"]["attn"]["w_qkv"]).max()) > 0
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13), g1, g2)
 
@@ -211,7 +216,7 @@ def test_bfloat16_compute_stays_close_and_keeps_float32_state():
     cfg = config.tiny(capacity_factor=None)
     params, state, ids = _tiny_inputs(cfg)
     l32, lb32, s32 = fj.forward_chunk(params, state, ids, cfg)
-    l16, lb16, s16 = fj.forward_chunk(params, state, ids, cfg.replace(compute_dtype="bfloat16"))
+    l16, lb16, s16 = fj.forward_chunk(params, state, ids, cfg, ex=config.Execution(compute_dtype="bfloat16"))
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(s16))
     assert l16.dtype == jnp.float32
     assert float(jnp.abs(l16 - l32).max()) > 0  # bf16 did run

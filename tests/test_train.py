@@ -103,9 +103,9 @@ def test_row_streams_train_step_equals_one_stream(corpus_file):
     """The trainer's whole step (both passes, clipping, optimizer) with two row streams
     gives the one-stream step's state and metrics (same dispatch groups, float32)."""
     # SGD: Adam's step normalises a near-zero gradient's rounding into a full-size update
-    one = tiny(corpus_file, "model.capacity_factor=1.25", "model.moe_group_rows=2", "model.scan_unroll=2", "ss_rate=1",
+    one = tiny(corpus_file, "model.capacity_factor=1.25", "model.moe_group_rows=2", "execution.scan_unroll=2", "ss_rate=1",
                "optimizer=sgd", "lr=0.05")
-    two = cfg_lib.apply_overrides(one, ["model.row_streams=2"])
+    two = cfg_lib.apply_overrides(one, ["execution.row_streams=2"])
     state, _ = state_lib.create_train_state(one, sharding.make_mesh(), jax.random.PRNGKey(0))
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 266, (1, one.batch_size, one.seq_len + 1)), jnp.int32)
     outs = [jax.jit(step_lib.make_train_step(c))(state, {"ids": ids}) for c in (one, two)]
@@ -165,10 +165,10 @@ def test_refusals_exit_nonzero_without_traceback_and_touch_nothing(case, corpus_
         overrides[0] = f"corpus={bad}"
         expect = ["1234", "300", str(bad)]
     elif case == "row_streams":
-        overrides += ["model.row_streams=3", "model.moe_group_rows=1"]
+        overrides += ["execution.row_streams=3", "model.moe_group_rows=1"]
         expect = ["row_streams=3", "batch_size 4"]
     elif case == "row_streams_on_a_mesh":
-        overrides += ["model.row_streams=2", "model.moe_group_rows=1", "mesh.data=2"]
+        overrides += ["execution.row_streams=2", "model.moe_group_rows=1", "mesh.data=2"]
         expect = ["row_streams=2", "one device", "2 devices"]
     elif case == "missing_corpus":
         overrides[0] = f"corpus={tmp_path / 'nope.u16'}"
@@ -265,8 +265,18 @@ def test_config_overrides_and_aliases():
     cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"),
                                   ["BATCH=8", "LR=0.01", "OPT=sgd", "BLOCK_CKPT=1", "model.variant=parent",
                                    "dtype=bfloat16", "start_token=none"])
-    assert (cfg.batch_size, cfg.lr, cfg.optimizer, cfg.model.remat, cfg.model.variant, cfg.model.compute_dtype,
+    assert (cfg.batch_size, cfg.lr, cfg.optimizer, cfg.execution.remat, cfg.model.variant, cfg.execution.compute_dtype,
             cfg.start_token) == (8, 0.01, "sgd", True, "parent", "bfloat16", None)
+    # The execution fields' names from before they left the engine config: mapped, each noted.
+    said = []
+    moved = cfg_lib.apply_overrides(cfg, ["model.kernels=plain", "model.row_streams=2", "execution.scan_unroll=2"],
+                                    log=said.append)
+    assert (moved.execution.kernels, moved.execution.row_streams, moved.execution.scan_unroll) == ("plain", 2, 2)
+    assert moved.model == cfg.model
+    assert said == ["note: --set model.kernels is now execution.kernels (how the engine is computed, apart from "
+                    "its weights)", "note: --set model.row_streams is now execution.row_streams (how the engine "
+                    "is computed, apart from its weights)"]
+    assert cfg_lib.override_fields(["model.remat=1", "BLOCK_CKPT=1"]) == {"execution.remat"}
     for bad, msg in (("nope=1", "no field 'nope'"), ("batch_size=x", "expected int"),
                      ("optimizer=lion", "adamw or sgd"), ("lr", "key=value")):
         with pytest.raises(cfg_lib.ConfigError, match=msg):
@@ -304,7 +314,7 @@ def test_probes_at_init(corpus_file):
     # Trained on 2 devices with capacity groups of 8 rows, which 4 probe rows are not a multiple of.
     cfg = cfg_lib.resolve_for_mesh(tiny(corpus_file, "batch_size=16", "mesh.data=2", "model.capacity_factor=1.25",
                                         "model.moe_group_rows=8"))
-    assert cfg.model.moe_shards == 2
+    assert cfg.execution.moe_shards == 2
     prober = Prober(cfg, open_corpus(corpus_file))
     state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(0))
     out = prober.run(state["params"], initial=True)
@@ -419,10 +429,10 @@ def test_a_saved_config_from_another_version_names_what_differs():
     saved = cfg.to_dict()
     saved["renamed_knob"] = 1                      # a field this version does not know
     saved["model"]["old_engine_knob"] = 2
-    del saved["lr"], saved["model"]["remat"]       # fields added since: their defaults, with a note
+    del saved["lr"], saved["execution"]["remat"]   # fields added since: their defaults, with a note
     said = []
     got = cfg_lib.TrainConfig.from_dict(saved, log=said.append)
-    assert got.lr == cfg_lib.TrainConfig.lr and got.model.remat is False and got.seq_len == cfg.seq_len
+    assert got.lr == cfg_lib.TrainConfig.lr and got.execution.remat is False and got.seq_len == cfg.seq_len
     text = "\n".join(said)
     assert "renamed_knob" in text and "old_engine_knob" in text and "lr=0.0003" in text and "remat=False" in text
     with pytest.raises(cfg_lib.ConfigError, match="renamed_knob"):

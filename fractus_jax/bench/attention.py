@@ -13,7 +13,7 @@ attention does around the kernel, forward and backward:
 Implementations:
   chunkwise        the engine's kernel, `linear_attention`, at the default block size (64),
                    in the engine's plain form: the levels a leading axis of one call, the
-                   carry the mean over it (model._attention with model.kernels="plain")
+                   carry the mean over it (model._attention with execution.kernels="plain")
   chunkwise_cpu    the same in the engine's CPU forms (kernels/cpu.py): one call per
                    level, the carry a sum of slices, one block without a block axis
   chunkwise_b32    chunkwise at block size 32
@@ -49,7 +49,7 @@ from fractus_jax.model import level_offsets
 _1B = config.atom_1b()
 HEADS, LEVELS, D_HEAD = _1B.n_heads, _1B.n_levels, _1B.d_head     # 20, 2, 64
 CHUNK = 128                                                          # positions per chunk
-ENGINE_BLOCK = _1B.attn_block_size                                   # the engine's default, 64
+ENGINE_BLOCK = config.Execution().attn_block_size                      # the engine's default, 64
 DEFAULT = "chunkwise"
 # name -> (block size, None for the position scan; the CPU forms or the plain ones)
 JAX_IMPLS = {"chunkwise": (ENGINE_BLOCK, False), "chunkwise_cpu": (ENGINE_BLOCK, True),

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from fractus_jax import hostmem, sharding
+from fractus_jax.config import split_fields
 from fractus_jax.bench import timing
 from fractus_jax.bench.flops import train_flops_per_id
 from fractus_jax.kernels import select
@@ -157,9 +158,9 @@ def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict
            "allocator": hostmem.allocator(), "malloc_hugetlb": hostmem.hugetlb_tunable(),
            "page_faults_per_step": jax_res["page_faults_per_step"],
            # how the step is scheduled: row streams and the MoE dispatch groups they imply
-           "row_streams": cfg.model.row_streams, "moe_group_rows": cfg.model.moe_group_rows,
+           "row_streams": cfg.execution.row_streams, "moe_group_rows": cfg.model.moe_group_rows,
            # which forms the engine ran: "plain", or "cpu" (the CPU-tuned ones, kernels/select.py)
-           "kernels": select.resolved(cfg.model.kernels)}
+           "kernels": select.resolved(cfg.execution.kernels)}
     paired = _paired_mfu(jax_res["step_s"], rounds, ids_per_step * flops_per_id, peak_flops)
     out["mfu_paired"] = paired / peak_units if paired is not None else None
     if with_torch:
@@ -199,13 +200,16 @@ KERNEL_CHOICES = {"plain": dict(kernels="plain"), "cpu": dict(kernels="cpu")}
 
 
 def compare_models(cfg, choices: dict, rounds: int = 4, steps: int = 3, warmup: int = 2) -> list[dict]:
-    """Times the train step of each engine-config change in `choices` ({name: changes}) in
+    """Times the train step of each config change in `choices` ({name: changes of engine or
+    execution fields}) in
     this one process, round robin (`rounds` rounds of `steps` timed steps each), so that
     their ratios share the machine's phase: [{name, capacity_factor, ms_per_step,
     ids_per_s, keep_rate, ratio}], ratio against the first."""
     runs = []
     for name, change in choices.items():
-        c = dataclasses.replace(cfg, model=cfg.model.replace(**change))
+        to_model, to_execution = split_fields(change)
+        c = dataclasses.replace(cfg, model=cfg.model.replace(**to_model),
+                                execution=cfg.execution.replace(**to_execution))
         step, state, batches = build_step(c, 1 + warmup + rounds * steps)
         for b in batches[:1 + warmup]:
             state, metrics = step(state, b)
@@ -260,7 +264,7 @@ def main(argv=None) -> int:
                    help="also time the other MoE dispatch choices (dropless, cf=E/K, cf=4, cf=1.25) "
                         "in this process, round robin")
     p.add_argument("--kernels", action="store_true",
-                   help="also time the plain kernels against the CPU-tuned ones (model.kernels=plain, cpu) "
+                   help="also time the plain kernels against the CPU-tuned ones (execution.kernels=plain, cpu) "
                         "in this process, round robin")
     args = p.parse_args(argv)
     cfg = step_config(args)
@@ -290,7 +294,7 @@ def main(argv=None) -> int:
                   f"keep_rate {d['keep_rate']:.3f}  x{d['ratio']:.2f}")
     if args.kernels:
         r["kernel_forms"] = compare_models(cfg, KERNEL_CHOICES, warmup=args.warmup)
-        print("  model.kernels, round robin in this process (ratio: step time against plain):")
+        print("  execution.kernels, round robin in this process (ratio: step time against plain):")
         for d in r["kernel_forms"]:
             print(f"    {d['name']:<18} {d['ms_per_step']:8.1f} ms/step {d['ids_per_s']:8.0f} ids/s  x{d['ratio']:.2f}")
     if args.json:

@@ -5,7 +5,8 @@ from fractus_jax.train.config import TrainConfig
 
 def get_config() -> TrainConfig:
     return TrainConfig(
-        model=config.atom_1b(compute_dtype="bfloat16", remat=True, attn_block_size=64),
+        model=config.atom_1b(),
+        execution=config.Execution(compute_dtype="bfloat16", remat=True),
         batch_size=16, seq_len=128, max_steps=200_000, optimizer="adamw", lr=3e-4,
         warmup_steps=800, ce_chunk=1024, log_every=10, save_every=1000,
         save_every_minutes=30.0,

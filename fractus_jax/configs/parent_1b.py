@@ -7,7 +7,8 @@ def get_config() -> TrainConfig:
     return TrainConfig(
         # Dropless MoE (the default): the parent routes a whole row by its last position,
         # so its tokens crowd a few experts, and any capacity below E/K would drop rows.
-        model=config.parent_1b(compute_dtype="bfloat16", remat=True),
+        model=config.parent_1b(),
+        execution=config.Execution(compute_dtype="bfloat16", remat=True),
         batch_size=16, seq_len=128, max_steps=200_000, optimizer="sgd", lr=7e-4,
         warmup_steps=800, ce_chunk=256, log_every=10, save_every=1000,
         save_every_minutes=30.0,

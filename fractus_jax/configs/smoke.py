@@ -14,7 +14,7 @@ def get_config() -> TrainConfig:
     model = EngineConfig(
         vocab_size=266, d_model=128, n_layers=2, n_heads=4, d_head=32, n_levels=2,
         n_oscillators=16, coupling_rank=8, n_experts=16, top_k=2, expert_d_ff=256,
-        siren_rank=16, variant="atom", attn_block_size=64)
+        siren_rank=16, variant="atom")
     return TrainConfig(
         # 64 lanes of 16 ids: the same 1024 ids a step as 8 lanes of 128, drawn from 64 places
         # of the corpus instead of 8 (docs/training.md: 8 lanes read a few files' worth).

@@ -40,7 +40,7 @@ from fractus_jax import model
 from fractus_jax.atom.features import FEATURE_CONTEXT, atom_features
 from fractus_jax.atom.ids import PAD
 from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
-from fractus_jax.config import EngineConfig
+from fractus_jax.config import EngineConfig, Execution
 from fractus_jax.kernels.loss import CE_BLOCK, cross_entropy_terms
 
 RESET_SEED = 0         # the draws of a probabilistic carry schedule: the same lanes every time
@@ -193,8 +193,9 @@ def _nats(params, h, targets, block):
     return ce * n
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "block"))
-def score_chunk(params, carry, restart_R, ids_Bx1pC, feats, cfg: EngineConfig, block: int = CE_BLOCK):
+@functools.partial(jax.jit, static_argnames=("cfg", "block", "ex"))
+def score_chunk(params, carry, restart_R, ids_Bx1pC, feats, cfg: EngineConfig, block: int = CE_BLOCK,
+                ex: Execution = Execution()):
     """One chunk (B, C + 1) of B lanes, inputs [:, :-1], targets [:, 1:], scored for each
     carried stream and from a zero carry: (nats (S + 1,), the streams' carry after it).
 
@@ -212,7 +213,7 @@ def score_chunk(params, carry, restart_R, ids_Bx1pC, feats, cfg: EngineConfig, b
     rows = {k: jnp.concatenate([carry[k], fresh[k].astype(carry[k].dtype)], axis=model.STATE_ROW_AXIS[k])
             for k in carry}
     repeat = lambda x: None if x is None else jnp.concatenate([x] * (S + 1), axis=0)  # noqa: E731
-    h, _, after = model.forward_hidden(params, rows, repeat(inputs), cfg, repeat(feats))
+    h, _, after = model.forward_hidden(params, rows, repeat(inputs), cfg, repeat(feats), ex=ex)
     carry = {k: jax.lax.slice_in_dim(v, 0, R, axis=model.STATE_ROW_AXIS[k]) for k, v in after.items()}
     nats = jnp.stack([_nats(params, h[s * B:(s + 1) * B], targets, block) for s in range(S + 1)])
     return nats, carry
@@ -223,11 +224,12 @@ class Scorer:
 
     `feats` feeds the Atom packet features of each chunk (and of the FEATURE_CONTEXT ids
     before it), as a run trained with `feats` saw them. `schedule`: the run's carry
-    restarts (`CarrySchedule`; none by default: `ce` is then `ce_warm`)."""
+    restarts (`CarrySchedule`; none by default: `ce` is then `ce_warm`). `ex`: how the
+    engine is computed (a run's own execution settings, or the defaults)."""
 
     def __init__(self, cfg: EngineConfig, lanes: int, chunk: int, feats: bool = False,
-                 schedule: CarrySchedule = CarrySchedule()):
-        self.cfg = cfg.for_inference()
+                 schedule: CarrySchedule = CarrySchedule(), ex: Execution = Execution()):
+        self.cfg, self.ex = cfg.for_inference(), ex.for_inference()
         self.lanes, self.chunk = int(lanes), int(chunk)
         self.feats = bool(feats) and self.cfg.is_atom
         self.atom = self.cfg.vocab_size == ATOM_VOCAB
@@ -262,7 +264,8 @@ class Scorer:
                 if self.feats:
                     feats = jnp.asarray(atom_features(rows[:, :-1], left=left))
                 n_bytes += count_bytes(rows[:, 1:])
-                nats, carry = score_chunk(params, carry, jnp.asarray(restarts[k]), jnp.asarray(rows), feats, self.cfg)
+                nats, carry = score_chunk(params, carry, jnp.asarray(restarts[k]), jnp.asarray(rows), feats, self.cfg,
+                                         ex=self.ex)
                 if pending is not None:   # chunk k is dispatched: now read chunk k−1
                     total += np.asarray(pending, np.float64)
                     if bar is not None and k == 1:   # the compilation is done: the rate starts here
@@ -284,6 +287,6 @@ class Scorer:
 
 
 def score(params, cfg: EngineConfig, ids, lanes: int, chunk: int, feats: bool = False,
-          progress: bool = False, schedule: CarrySchedule = CarrySchedule()) -> Score:
-    """One call: `Scorer(cfg, lanes, chunk, feats, schedule).score(params, ids)`."""
-    return Scorer(cfg, lanes, chunk, feats, schedule).score(params, ids, progress=progress)
+          progress: bool = False, schedule: CarrySchedule = CarrySchedule(), ex: Execution = Execution()) -> Score:
+    """One call: `Scorer(cfg, lanes, chunk, feats, schedule, ex).score(params, ids)`."""
+    return Scorer(cfg, lanes, chunk, feats, schedule, ex).score(params, ids, progress=progress)

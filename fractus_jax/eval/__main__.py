@@ -102,7 +102,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ids = ids[:args.ids]
         lanes = args.lanes or cfg.batch_size
         chunk = args.chunk or cfg.seq_len
-        scorer = Scorer(cfg.model, lanes, chunk, feats=cfg.feats, schedule=carry_schedule(cfg))
+        scorer = Scorer(cfg.model, lanes, chunk, feats=cfg.feats, schedule=carry_schedule(cfg),
+                        ex=cfg.execution)
         scorer.layout(len(ids))   # too few ids: refused before any array is read
         state, _ = ckpt_lib.restore_one_device(run_dir, step, cfg, items=("params",))
         result = scorer.score(state["params"], ids, progress=not args.no_progress, desc=f"step {step}")

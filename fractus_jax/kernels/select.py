@@ -1,8 +1,8 @@
 """Which forms of the engine's kernels a forward runs: the plain ones (kernels/plain.py, the
 math as written, differentiated by autodiff: what a GPU or TPU runs) or the ones tuned for
-XLA:CPU (kernels/cpu.py, the same functions). `EngineConfig.kernels` chooses: "auto" (the
+XLA:CPU (kernels/cpu.py, the same functions). `Execution.kernels` chooses: "auto" (the
 default) takes the CPU forms on a CPU backend and the plain ones elsewhere, "plain" and
-"cpu" force one side. The engine asks once per forward (`forms(cfg.kernels)`), when it is
+"cpu" force one side. The engine asks once per forward (`forms(ex.kernels)`), when it is
 traced, so a jitted function keeps the forms of the backend it was traced for.
 """
 from __future__ import annotations

@@ -12,11 +12,12 @@ import difflib
 import importlib.util
 import json
 import math
+import sys
 import typing
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from fractus_jax.config import EngineConfig, field_values
+from fractus_jax.config import EXECUTION_FIELDS, EngineConfig, Execution, field_values, split_fields
 from fractus_jax.kernels.loss import CE_BLOCK
 
 
@@ -43,7 +44,8 @@ class GrowConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    model: EngineConfig
+    model: EngineConfig               # what the weights compute
+    execution: Execution = Execution()  # how this run's machines compute it
     batch_size: int = 8
     seq_len: int = 128
     max_steps: int = 1000
@@ -189,8 +191,11 @@ class TrainConfig:
         its default with a note, a lacking required field is refused (ConfigError), each named
         (fractus_jax.config.field_values)."""
         try:
+            d = dict(d)
+            if "model" in d and "execution" not in d:   # written before Execution: both under "model"
+                d["model"], d["execution"] = split_fields(d["model"])
             d = field_values(cls, d, unknown, log)
-            groups = {"model": EngineConfig, "mesh": MeshConfig, "grow": GrowConfig}
+            groups = {"model": EngineConfig, "execution": Execution, "mesh": MeshConfig, "grow": GrowConfig}
             for name, group in groups.items():
                 if name in d:
                     d[name] = group(**field_values(group, d[name], unknown, log, where=f"config.{name}"))
@@ -200,15 +205,18 @@ class TrainConfig:
 
 
 # Override keys that are not field paths: the PyTorch trainers' environment names, and
-# the issue's short names for engine fields.
+# short names for execution fields.
 ALIASES = {
     "BATCH": "batch_size", "SEQ": "seq_len", "LR": "lr", "OPT": "optimizer",
     "WARMUP_STEPS": "warmup_steps", "SS_RATE": "ss_rate", "REPEAT_COEF": "repeat_coef",
     "SAVE_EVERY": "save_every", "START_TOKEN": "start_token", "CE_CHUNK": "ce_chunk",
-    "ACCUM": "accum", "BLOCK_CKPT": "model.remat", "PROBE_EVERY": "probe_every",
+    "ACCUM": "accum", "BLOCK_CKPT": "execution.remat", "PROBE_EVERY": "probe_every",
     "MAX_STEPS": "max_steps", "CKPT_IN": "init_from",
-    "remat": "model.remat", "dtype": "model.compute_dtype",
+    "remat": "execution.remat", "dtype": "execution.compute_dtype",
 }
+# The execution fields' names from before they left the engine config (model.kernels, ...):
+# still accepted, each with a note naming its new path.
+MOVED = {f"model.{name}": f"execution.{name}" for name in EXECUTION_FIELDS}
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"   # shipped with the package
 
 
@@ -287,14 +295,22 @@ def _replace_path(obj, path: list[str], value: str, key: str):
     return dataclasses.replace(obj, **{path[0]: _replace_path(child, path[1:], value, key)})
 
 
-def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
-    """Apply `key=value` overrides in order; keys are dotted field paths or ALIASES."""
+def _path(key: str, log: Optional[Callable[[str], None]] = None) -> str:
+    if key in MOVED and log is not None:
+        log(f"note: --set {key} is now {MOVED[key]} (how the engine is computed, apart from its weights)")
+    return ALIASES.get(key) or MOVED.get(key, key)
+
+
+def apply_overrides(cfg: TrainConfig, overrides: list[str], log: Optional[Callable[[str], None]] = None) -> TrainConfig:
+    """Apply `key=value` overrides in order; keys are dotted field paths, ALIASES or MOVED
+    names (each noted through `log`, by default on stderr)."""
+    say = log or (lambda msg: print(msg, file=sys.stderr))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, value = item.split("=", 1)
         key = key.strip()
-        path = ALIASES.get(key, key)
+        path = _path(key, say)
         try:
             cfg = _replace_path(cfg, path.split("."), value.strip(), key)
         except ValueError as e:  # a __post_init__ check of the new value (or a message that names it)
@@ -307,17 +323,17 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
 def override_fields(overrides: list[str]) -> frozenset:
     """The dotted field paths that `key=value` overrides set (ALIASES resolved)."""
     keys = (item.split("=", 1)[0].strip() for item in overrides if "=" in item)
-    return frozenset(ALIASES.get(k, k) for k in keys)
+    return frozenset(_path(k) for k in keys)
 
 
 def resolve_for_mesh(cfg: TrainConfig) -> TrainConfig:
     """The execution choices that follow from the mesh: dropless MoE dispatch runs one
-    slice of rows per device (model.moe_shards), so no token's dispatch crosses devices.
+    slice of rows per device (execution.moe_shards), so no token's dispatch crosses devices.
     The trained function does not change: capacity groups (model.moe_group_rows) are a
     model setting, the same on any mesh."""
     n = cfg.mesh.data * cfg.mesh.fsdp
-    if cfg.model.moe_shards != n and cfg.batch_size % n == 0:
-        return dataclasses.replace(cfg, model=cfg.model.replace(moe_shards=n))
+    if cfg.execution.moe_shards != n and cfg.batch_size % n == 0:
+        return dataclasses.replace(cfg, execution=cfg.execution.replace(moe_shards=n))
     return cfg
 
 

@@ -27,7 +27,8 @@ class HeldOut:
 
     def __init__(self, cfg: TrainConfig, val):
         self.ids = np.asarray(val_slice(cfg, val), np.int32)
-        self.scorer = Scorer(cfg.model, cfg.val_lanes, cfg.seq_len, feats=cfg.feats, schedule=carry_schedule(cfg))
+        self.scorer = Scorer(cfg.model, cfg.val_lanes, cfg.seq_len, feats=cfg.feats, schedule=carry_schedule(cfg),
+                             ex=cfg.execution)
 
     def run(self, params) -> dict:
         s = self.scorer.score(params, self.ids)

@@ -53,7 +53,7 @@ def plan_memory(cfg) -> dict:
 
     return {
         "config": {"batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "accum": cfg.accum,
-                   "optimizer": cfg.optimizer, "remat": cfg.model.remat, "dtype": cfg.model.compute_dtype,
+                   "optimizer": cfg.optimizer, "remat": cfg.execution.remat, "dtype": cfg.execution.compute_dtype,
                    "mesh": dataclasses.asdict(cfg.mesh), "moe_group_rows": cfg.model.moe_group_rows},
         "devices": n_devices,
         "per_device": per_device,

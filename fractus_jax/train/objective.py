@@ -12,7 +12,7 @@ from fractus_jax import model
 from fractus_jax.kernels.loss import cross_entropy_terms
 from fractus_jax.train.config import TrainConfig
 
-# The TrainConfig fields `train_loss` reads (besides `model`): configs equal in these share
+# The TrainConfig fields `train_loss` reads (besides `model` and `execution`): configs equal in these share
 # one `reach` analysis.
 LOSS_FIELDS = ("batch_size", "seq_len", "feats", "lb_coef", "repeat_coef", "ce_chunk", "bptt_chunks")
 
@@ -20,7 +20,8 @@ LOSS_FIELDS = ("batch_size", "seq_len", "feats", "lb_coef", "repeat_coef", "ce_c
 def train_loss(params, carry, inputs_BxC, targets_BxC, feats, cfg: TrainConfig, ce_weight: float,
                carry_grad: bool = False):
     """(loss, (ce, lb, keep_rate, repeat_prob, new_carry, hidden)) of one chunk."""
-    h, aux, new_carry = model.forward_hidden(params, carry, inputs_BxC, cfg.model, feats, carry_grad=carry_grad)
+    h, aux, new_carry = model.forward_hidden(params, carry, inputs_BxC, cfg.model, feats, carry_grad=carry_grad,
+                                                ex=cfg.execution)
     with jax.named_scope("loss"):
         ce, repeat = cross_entropy_terms(h, params["observe"], targets_BxC, cfg.ce_chunk,
                                          repeat_ids_BxC=inputs_BxC)

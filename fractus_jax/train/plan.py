@@ -208,12 +208,12 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset
         raise TrainError(f"model.moe_group_rows={rows} ({rows or cfg.batch_size} rows per capacity group) does not "
                          f"divide the {cfg.batch_size // n} rows each of the {n} devices holds: a group would "
                          f"span devices (set model.moe_group_rows to a divisor of {cfg.batch_size // n})")
-    streams = cfg.model.row_streams
+    streams = cfg.execution.row_streams
     if streams > 1 and n > 1:
-        raise TrainError(f"model.row_streams={streams} is for one device: a mesh of {n} devices "
-                         "already runs its rows apart (set model.row_streams=1)")
+        raise TrainError(f"execution.row_streams={streams} is for one device: a mesh of {n} devices "
+                         "already runs its rows apart (set execution.row_streams=1)")
     if streams > 1 and (rows == 0 or cfg.batch_size % (streams * rows)):
-        raise TrainError(f"batch_size {cfg.batch_size} does not split into model.row_streams={streams} "
+        raise TrainError(f"batch_size {cfg.batch_size} does not split into execution.row_streams={streams} "
                          f"streams of whole MoE dispatch groups (model.moe_group_rows={rows}; "
                          "0 makes the batch one group)")
     for problem in cfg.conflicts():

@@ -38,10 +38,10 @@ def _probe_rows(corpus, n_rows: int, length: int) -> np.ndarray:
     return np.stack([np.asarray(corpus.ids[s:s + length + 1], np.int32) for s in starts])
 
 
-def _teacher_forced(params, rows, cfg):
+def _teacher_forced(params, rows, cfg, ex):
     inputs, targets = rows[:, :-1], rows[:, 1:]
     state = model.init_state(cfg, rows.shape[0])
-    h, aux, _ = model.forward_hidden(params, state, inputs, cfg)
+    h, aux, _ = model.forward_hidden(params, state, inputs, cfg, ex=ex)
     logits = model.logits_from_hidden(params, h).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, -1)
     ce = -jnp.take_along_axis(logp, targets[..., None], -1).mean()
@@ -51,11 +51,11 @@ def _teacher_forced(params, rows, cfg):
             "alive_experts": alive, "expert_hits": aux.expert_hits}
 
 
-def _ar_eval(params, rows, cfg):
+def _ar_eval(params, rows, cfg, ex):
     """Warm on WARM true ids, then FREE greedy steps with C = 1, each fed its own guess."""
     warm, truth = rows[:, :WARM], rows[:, WARM:WARM + FREE]
     state = model.init_state(cfg, rows.shape[0])
-    h, _, state = model.forward_hidden(params, state, warm, cfg)
+    h, _, state = model.forward_hidden(params, state, warm, cfg, ex=ex)
     logits = model.logits_from_hidden(params, h[:, -1:])[:, 0]
 
     def step(carry, true_id):
@@ -63,7 +63,7 @@ def _ar_eval(params, rows, cfg):
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
         ce = -jnp.take_along_axis(logp, true_id[:, None], -1)[:, 0]
         guess = jnp.argmax(logits, -1).astype(jnp.int32)
-        h, _, state = model.forward_hidden(params, state, guess[:, None], cfg)
+        h, _, state = model.forward_hidden(params, state, guess[:, None], cfg, ex=ex)
         return (state, model.logits_from_hidden(params, h)[:, 0]), (ce, guess == true_id)
 
     _, (ce, match) = jax.lax.scan(step, (state, logits), truth.T)
@@ -79,9 +79,10 @@ class Prober:
             moe_group_rows=rows if rows and PROBE_ROWS % rows == 0 else 0)
         # Decoding feeds chunks of a few tokens: capacity would drop their assignments.
         self.decode_cfg = self.cfg.for_inference()
+        self.ex = cfg.execution.for_inference()
         self.rows = jnp.asarray(_probe_rows(corpus, PROBE_ROWS, max(PROBE_LEN, WARM + FREE)))
-        self._tf = jax.jit(_teacher_forced, static_argnums=2)
-        self._ar = jax.jit(_ar_eval, static_argnums=2)
+        self._tf = jax.jit(_teacher_forced, static_argnums=(2, 3))
+        self._ar = jax.jit(_ar_eval, static_argnums=(2, 3))
         window = cfg.trained_window()
         self.speech_mode = {"mode": "window", "window": window} if window else {"mode": "step"}
         self.prompt = None
@@ -89,8 +90,8 @@ class Prober:
             self.prompt = jnp.asarray(encode_open(SPEECH_PROMPT), jnp.int32)[None]
 
     def run(self, params, initial: bool = False) -> dict:
-        tf = jax.device_get(self._tf(params, self.rows, self.cfg))
-        ar = jax.device_get(self._ar(params, self.rows, self.decode_cfg))
+        tf = jax.device_get(self._tf(params, self.rows, self.cfg, self.ex))
+        ar = jax.device_get(self._ar(params, self.rows, self.decode_cfg, self.ex))
         prefix = "init" if initial else "probe"
         out = {f"{prefix}_ce": float(tf["ce"]), f"{prefix}_echo": float(tf["echo"]),
                "ar_ce": float(ar["ce"]), "ar_match": float(ar["match"]),
@@ -100,7 +101,7 @@ class Prober:
                "expert_hits": np.asarray(tf["expert_hits"], np.int64).tolist()}
         if self.prompt is not None:
             ids, _, n_valid = jax.device_get(decode_ids(params, self.decode_cfg, self.prompt, SPEECH_STEPS,
-                                                         **self.speech_mode))
+                                                         ex=self.ex, **self.speech_mode))
             gen = ids[0, : int(n_valid[0])]
             unique_ids, unique_bytes = speech_counts(gen)
             out.update(speech_unique_ids=unique_ids, speech_unique_bytes=unique_bytes,

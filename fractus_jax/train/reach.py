@@ -90,7 +90,7 @@ def reached(fn, params, *args):
 def loss_reach(cfg: TrainConfig):
     """reached() of the trainer's loss (`objective.train_loss`, as the step calls it for cfg), on the
     abstract parameters of cfg's model: a tree of bools like the parameters."""
-    return _loss_reach(TrainConfig(model=cfg.model, **{k: getattr(cfg, k) for k in LOSS_FIELDS}))
+    return _loss_reach(TrainConfig(model=cfg.model, execution=cfg.execution, **{k: getattr(cfg, k) for k in LOSS_FIELDS}))
 
 
 @functools.lru_cache(maxsize=16)
