@@ -4,6 +4,7 @@ process runs the trainer's command line behind a small hook (a SIGTERM to itself
 step; another clock for the stop and save policy)."""
 import os
 import re
+import shutil
 import signal  # noqa: F401 - named in the hooks
 import socket
 import subprocess
@@ -31,7 +32,18 @@ HOOK = textwrap.dedent("""
     import os, signal, sys, time
     from fractus_jax.train import policy
     from fractus_jax.train.__main__ import main
-    offset, rate, sigterm_after = {offset!r}, {rate!r}, {sigterm_after!r}
+    offset, rate, sigterm_after, every_process_caches = {offset!r}, {rate!r}, {sigterm_after!r}, {cache!r}
+    if every_process_caches:
+        # JAX writes compilation cache entries from process 0 only, and each process's
+        # programs have keys of their own: process 1's would never be found.
+        from jax._src import compilation_cache, compiler, config, distributed
+        cache_write = compiler._cache_write
+        def cache_write_from_every_process(key, secs, name, backend, executable, callbacks):
+            if distributed.global_state.process_id == 0 or callbacks:
+                return cache_write(key, secs, name, backend, executable, callbacks)
+            if secs >= config.persistent_cache_min_compile_time_secs.value:
+                compilation_cache.put_executable_and_time(key, name, executable, backend, int(secs))
+        compiler._cache_write = cache_write_from_every_process
     t0 = time.time()
     if offset or rate != 1:
         policy.clock = lambda: t0 + offset + (time.time() - t0) * rate
@@ -53,21 +65,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=False):
+def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None):
     """The two processes, started. hooks: {process: dict(offset=, rate=, sigterm_after=)}.
     logs: a directory for their stderr (err0.txt, err1.txt; otherwise pipes, to be read
-    while they run). No persistent compilation cache unless cache=True: one process finding
-    its step there while the other compiles it waits in the first collective, which gives
-    up after 30 s (Gloo context initialization failed)."""
+    while they run). cache: a persistent compilation cache directory that both processes
+    read and write (each its own entries), or None for none. A cache that one process finds
+    its step in while the other compiles it is unsafe: the first waits in the first
+    collective, which gives up after 30 s (Gloo context initialization failed). So a test's
+    cache is one that a run of the same command filled for both (`warm_run`), or none."""
     hooks = hooks or {}
     env = {**os.environ, "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
-    if not cache:
+    if cache is None:
         env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    else:
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "true"
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
     port = _free_port()
     sets = [f"--set={o}" for o in [f"corpus={corpus_file}", *RUN, *overrides]]
     procs = []
     for i in range(2):
-        hook = {"offset": 0.0, "rate": 1.0, "sigterm_after": None, **hooks.get(i, {})}
+        hook = {"offset": 0.0, "rate": 1.0, "sigterm_after": None, **hooks.get(i, {}), "cache": cache is not None}
         procs.append(subprocess.Popen(
             [sys.executable, "-c", HOOK.format(**hook), "--no-progress", "--config", "tiny",
              "--workdir", str(workdir), *sets, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
@@ -77,7 +94,7 @@ def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=False):
     return procs
 
 
-def launch(workdir, corpus_file, overrides, hooks=None, timeout=400, cache=False):
+def launch(workdir, corpus_file, overrides, hooks=None, timeout=400, cache=None):
     """Both processes' stderr; each must exit 0. hooks: {process: dict(offset=, rate=, sigterm_after=)}."""
     procs = start(workdir, corpus_file, overrides, hooks, cache=cache)
     try:
@@ -88,6 +105,28 @@ def launch(workdir, corpus_file, overrides, hooks=None, timeout=400, cache=False
     for i, (p, (_, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i}: {err[-3000:]}"
     return [err for _, err in outs]
+
+
+STRAIGHT = ["max_steps=6", "save_every=2"]
+
+
+@pytest.fixture(scope="module")
+def warm_run(corpus_file, tmp_path_factory):
+    """One uninterrupted run of STRAIGHT, whose compilation cache holds both processes'
+    programs (the initialisation, the train step): (run directory, cache directory)."""
+    base = tmp_path_factory.mktemp("multihost")
+    run, cache = base / "straight", base / "xla_cache"
+    launch(run, corpus_file, STRAIGHT, cache=cache)
+    steps = sorted(p.name for p in cache.iterdir() if p.name.startswith("jit_step-"))
+    assert len(steps) == 2, f"the train step's cache entries, one per process: {steps}"
+    return run, cache
+
+
+@pytest.fixture
+def warm_cache(warm_run):
+    """warm_run's compilation cache, shared by every test here: its directory is part of
+    each program's cache key (a copy elsewhere would be missed)."""
+    return warm_run[1]
 
 
 def saved_steps(workdir):
@@ -111,10 +150,11 @@ def metrics_steps(workdir):
     return [json.loads(x)["step"] for x in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes_bit_exact(corpus_file, tmp_path):
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes_bit_exact(corpus_file, tmp_path, warm_run,
+                                                                             warm_cache):
     run, straight = tmp_path / "run", tmp_path / "straight"
     # Process 1 alone receives SIGTERM after step 2: both stop at the same step and save it.
-    errs = launch(run, corpus_file, ["max_steps=100", "save_every=2"], {1: {"sigterm_after": 2}})
+    errs = launch(run, corpus_file, ["max_steps=100", "save_every=2"], {1: {"sigterm_after": 2}}, cache=warm_cache)
     stops = [re.search(r"stopped at step (\d+) \(SIGTERM received by process 1\)", e) for e in errs]
     assert all(stops), errs[0][-2000:] + errs[1][-2000:]
     step = int(stops[0].group(1))
@@ -122,9 +162,9 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes_bit_exact(cor
     assert ckpt_lib.read_manifest(run)["step"] == step and step in saved_steps(run)
 
     # The same command resumes (to step 6) and ends where an uninterrupted run ends, bit for bit.
-    errs = launch(run, corpus_file, ["max_steps=6", "save_every=2"])
+    errs = launch(run, corpus_file, STRAIGHT, cache=warm_cache)
     assert f"resumed {run} at step {step}" in errs[0]
-    launch(straight, corpus_file, ["max_steps=6", "save_every=2"])
+    shutil.copytree(warm_run[0], straight)   # the uninterrupted run: STRAIGHT, the same command
     (a, meta_a), (b, meta_b) = restore_state(run), restore_state(straight)
     assert meta_a["step"] == meta_b["step"] == 6 and meta_a["start_token_next"] == meta_b["start_token_next"]
     for part in ("params", "opt_state", "carry"):
@@ -136,40 +176,41 @@ HOUR = 3600.0
 
 
 @pytest.mark.parametrize("case", ["process_1_ahead_and_fast", "process_0_ahead", "process_0_fast"])
-def test_clocks_apart_both_save_the_same_steps(case, corpus_file, tmp_path):
+def test_clocks_apart_both_save_the_same_steps(case, corpus_file, tmp_path, warm_cache):
     run = tmp_path / "run"
     deadline = time.time() + HOUR / 2
     if case == "process_1_ahead_and_fast":
         # Alone, process 1 would save every step (a minute passes in 60 ms of its clock) and
         # stop at once (its deadline is half an hour past): process 0's clock decides.
         errs = launch(run, corpus_file, ["max_steps=4", "save_every=1000", "save_every_minutes=1",
-                                         f"deadline={deadline}"], {1: {"offset": HOUR, "rate": 1000.0}})
+                                         f"deadline={deadline}"], {1: {"offset": HOUR, "rate": 1000.0}}, cache=warm_cache)
         assert saved_steps(run) == [4]
         assert not any("deadline near" in e or "stopped at" in e for e in errs)
     elif case == "process_0_ahead":
         # Process 0's deadline is past: both stop at step 1 and save it; process 1's clock
         # alone would train on.
         errs = launch(run, corpus_file, ["max_steps=4", "save_every=1000", f"deadline={deadline}"],
-                      {0: {"offset": HOUR}})
+                      {0: {"offset": HOUR}}, cache=warm_cache)
         assert saved_steps(run) == [1]
         for e in errs:
             assert "stopped at step 1 (deadline near)" in e, e[-2000:]
     else:
         # Process 0's minutes pass in milliseconds: its time-based saves are every process's.
         launch(run, corpus_file, ["max_steps=4", "save_every=1000", "save_every_minutes=1",
-                                  "keep_checkpoints=10"], {0: {"rate": 1000.0}})
+                                  "keep_checkpoints=10"], {0: {"rate": 1000.0}}, cache=warm_cache)
         assert 4 in saved_steps(run) and len(saved_steps(run)) >= 2, saved_steps(run)
     assert ckpt_lib.read_manifest(run)["step"] == saved_steps(run)[-1]
 
 
 @pytest.mark.parametrize("dead", [1, 0])
-def test_a_peer_killed_ends_the_other_in_bounded_time_naming_it_and_the_step_to_resume(dead, corpus_file, tmp_path):
+def test_a_peer_killed_ends_the_other_in_bounded_time_naming_it_and_the_step_to_resume(dead, corpus_file, tmp_path,
+                                                                                         warm_cache):
     """kill -9 of one process after a committed step: process 1, or process 0 and the
     coordination service with it."""
     from fractus_jax.train import peers
 
     run = tmp_path / "run"
-    procs = start(run, corpus_file, ["max_steps=100000", "save_every=2"], logs=tmp_path)
+    procs = start(run, corpus_file, ["max_steps=100000", "save_every=2"], logs=tmp_path, cache=warm_cache)
     logs = [tmp_path / f"err{i}.txt" for i in range(2)]
     try:
         t0 = time.time()
@@ -197,5 +238,5 @@ def test_a_peer_killed_ends_the_other_in_bounded_time_naming_it_and_the_step_to_
     assert f"--workdir {run}" in last and f"--process-id {1 - dead}" in last and "fractus_jax.train" in last, last
     assert "Traceback" not in err, err[-3000:]
     # Both restarted resume from that step (max_steps there: nothing more to compile).
-    errs = launch(run, corpus_file, [f"max_steps={step}", "save_every=2"])
+    errs = launch(run, corpus_file, [f"max_steps={step}", "save_every=2"], cache=warm_cache)
     assert f"resumed {run} at step {step}" in errs[0], errs[0][-2000:]
