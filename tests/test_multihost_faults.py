@@ -35,7 +35,10 @@ HOOK = textwrap.dedent("""
     offset, rate, sigterm_after, every_process_caches = {offset!r}, {rate!r}, {sigterm_after!r}, {cache!r}
     if every_process_caches:
         # JAX writes compilation cache entries from process 0 only, and each process's
-        # programs have keys of their own: process 1's would never be found.
+        # programs have keys of their own: process 1's would never be found. No public
+        # setting changes that, so the test wraps JAX's writer here, in the test's own
+        # processes only; warm_run asserts that both processes' train steps were written, so
+        # a JAX whose internals moved fails there, by name, not by a timeout.
         from jax._src import compilation_cache, compiler, config, distributed
         cache_write = compiler._cache_write
         def cache_write_from_every_process(key, secs, name, backend, executable, callbacks):
