@@ -1,5 +1,5 @@
 """Test setup: 8 fake CPU devices (for the sharding tests) before JAX initialises, XLA:CPU
-code generation at -O0, and a persistent compilation cache for the CLI subprocesses, so that
+code generation at -O0 with the elemental fusion emitters, and a persistent compilation cache for the CLI subprocesses, so that
 each of their programs is compiled once per machine (and per pytest-xdist worker: the README
 runs the suite on two).
 
@@ -13,18 +13,42 @@ import tempfile
 
 FAKE_DEVICES = 8
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-# XLA:CPU's code generation at -O0: the tests' programs are tiny, and compiling them, not
-# running them, is most of the suite's time. XLA's own passes (fusion, layout, sharding)
-# still run; only LLVM's optimisation of the machine code is skipped. Results differ from
-# -O2's by rounding only (another order of float32 sums); every comparison in the suite is
-# between programs compiled alike or within a tolerance. A level already set is kept.
+# XLA:CPU's code generation at -O0 and with its older fusion emitters: the tests' programs
+# are tiny, and compiling them, not running them, is most of the suite's time. XLA's own
+# passes (fusion, layout, sharding) still run; LLVM's optimisation of the machine code is
+# skipped, and each fusion is emitted by the elemental emitter, which compiles a tiny train
+# step in about half the time of the MLIR fusion emitters (docs/performance.md, "Compiling
+# the tests' programs"). Results differ from the defaults' by rounding only (another order
+# of float32 sums); every comparison in the suite is between programs compiled alike or
+# within a tolerance. A level or emitter choice already set is kept.
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
+EMITTER_FLAG = "--xla_cpu_use_fusion_emitters"
+
+
+def _jaxlib_knows(flag: str) -> bool:
+    """XLA aborts the process on a flag it does not know: try it once, in a subprocess."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
+                          env=env, capture_output=True).returncode == 0
+
+
 _flags = os.environ.get("XLA_FLAGS", "")
-if DEVICE_COUNT_FLAG not in _flags:
-    _flags = f"{_flags} {DEVICE_COUNT_FLAG}={FAKE_DEVICES}".strip()
+_compile_flags = []   # what a subprocess that sets its own device count is given
 if OPT_LEVEL_FLAG not in _flags:
-    _flags = f"{_flags} {OPT_LEVEL_FLAG}=0"
+    _compile_flags.append(f"{OPT_LEVEL_FLAG}=0")
+if EMITTER_FLAG not in _flags and _jaxlib_knows(f"{EMITTER_FLAG}=false"):
+    _compile_flags.append(f"{EMITTER_FLAG}=false")
+_flags = " ".join([_flags, *_compile_flags]).strip()
+if DEVICE_COUNT_FLAG not in _flags:
+    _flags = f"{_flags} {DEVICE_COUNT_FLAG}={FAKE_DEVICES}"
 os.environ["XLA_FLAGS"] = _flags
+# pytest-xdist's workers inherit the controller's environment: they find the flags set and
+# neither probe nor add them again.
+os.environ.setdefault("FRACTUS_TEST_SUBPROCESS_XLA_FLAGS",
+                      " ".join(f for f in _flags.split() if not f.startswith(DEVICE_COUNT_FLAG)))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Subprocesses (CLI tests) inherit these through the environment. One cache per pytest-xdist
 # worker (the workers inherit the controller's environment, so it is set, not defaulted): JAX

@@ -1,10 +1,12 @@
 """Shared helpers for the engine tests."""
+import os
+
 import jax
 import numpy as np
 
 # XLA_FLAGS for a subprocess that sets its own device count (`--local-devices`, a script):
-# the suite's code generation at -O0 (tests/conftest.py) and nothing else.
-SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# the suite's code generation flags (tests/conftest.py) and nothing else.
+SUBPROCESS_XLA_FLAGS = os.environ["FRACTUS_TEST_SUBPROCESS_XLA_FLAGS"]
 
 
 def move_off_init(params, key, scale=0.3):

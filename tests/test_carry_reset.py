@@ -14,6 +14,13 @@ from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
 
+from engine_testing import assert_trained_alike
+
+# Two programs sum in other orders: measured up to 2.9e-5 of a leaf's change over the step
+# (bit-equal only where XLA happens to fuse both alike); a carry left unreset is not within
+# the bound (checked below).
+ALIKE = 1e-3
+
 
 def tiny(corpus_file, *overrides):
     # Exact routing: rows do not compete for expert capacity, so each row's carry depends
@@ -62,8 +69,12 @@ def _equal(a, b):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
-def _differs(a, b) -> bool:
-    return any(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.any(np.asarray(x) != np.asarray(y))), a, b)))
+def _alike(got, want, start):
+    """One step compiled as two programs (one of them with the schedule's select): equal to
+    float32 rounding, the state leaf by leaf against that leaf's own change over the step
+    (engine_testing.assert_trained_alike), the metrics to a relative 1e-5."""
+    assert_trained_alike(got[0], want[0], start, ALIKE)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5), got[1], want[1])
 
 
 def test_a_reset_step_equals_a_step_from_the_initial_carry(corpus_file, warm_state):
@@ -72,15 +83,16 @@ def test_a_reset_step_equals_a_step_from_the_initial_carry(corpus_file, warm_sta
     got = _run(reset, warm_state)
     want = _run(plain, _fresh(plain, warm_state))
     streamed = _run(plain, warm_state)
-    assert _differs(streamed, want), "the carry changes nothing: the test would prove nothing"
-    _equal(got, want)
+    with pytest.raises(AssertionError):   # the bound tells a carry left unreset apart
+        assert_trained_alike(streamed[0], want[0], _fresh(plain, warm_state), ALIKE)
+    _alike(got, want, _fresh(plain, warm_state))
 
 
 def test_a_step_off_the_schedule_equals_todays_step(corpus_file, warm_state):
     plain = tiny(corpus_file)
     assert step_lib.reset_rows(plain, warm_state["step"], jax.random.PRNGKey(0)) is None   # today's program
     off = tiny(corpus_file, "carry_reset_every=3")    # step 2 is no multiple of 3
-    _equal(_run(off, warm_state), _run(plain, warm_state))
+    _alike(_run(off, warm_state), _run(plain, warm_state), warm_state)
 
 
 def test_per_row_reset_touches_only_those_rows(corpus_file, warm_state):

@@ -95,8 +95,22 @@ def test_accumulation_equals_one_gradient_of_the_summed_chunks(corpus_file):
     grad = jax.jit(jax.grad(two_chunks))
     want = grad(state["params"], jnp.array([1.0, 1.0]))
     other = grad(state["params"], jnp.array([2.0, 0.0]))
-    assert float(jnp.abs(other["observe"] - want["observe"]).max()) > 1e-6
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), grads, want)
+    # Leaf by leaf, the norm of the difference against the leaf's own norm: the two programs
+    # sum in another order (float32 rounding: measured up to 4.8e-6 of a leaf), while the
+    # gradient of the first chunk alone is off by 0.31 of a leaf or more on every leaf the
+    # loss reaches (checked here, so that the bound is seen to tell the two apart).
+    jax.tree.map(lambda a, b: _assert_close_as_a_whole(np.asarray(a), np.asarray(b), 1e-4), grads, want)
+    jax.tree.map(lambda a, b: _assert_apart(np.asarray(a), np.asarray(b), 1e-4), other, want)
+
+
+def _assert_close_as_a_whole(got, want, rel):
+    err, size = float(np.linalg.norm(got - want)), float(np.linalg.norm(want))
+    assert err <= rel * size, (err, size)
+
+
+def _assert_apart(got, want, rel):
+    err, size = float(np.linalg.norm(got - want)), float(np.linalg.norm(want))
+    assert err > rel * size or size == 0, (err, size)   # 0: a leaf the loss does not reach
 
 
 def test_row_streams_train_step_equals_one_stream(corpus_file):
