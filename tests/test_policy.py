@@ -4,6 +4,8 @@ key-value store like the coordination service's. The two-process runs are in
 tests/test_multihost_faults.py."""
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import jax
@@ -377,12 +379,15 @@ class _Store:
         return [(k, v) for k, v in self.data.items() if k.startswith(prefix)]
 
 
-def test_the_watchdog_names_a_silent_peer_or_process_0_when_the_store_is_silent():
+@pytest.mark.parametrize("timeout", [None, 10.0])   # the default (30 s), the shortest --peer-timeout
+def test_the_watchdog_names_a_silent_peer_or_process_0_when_the_store_is_silent(timeout):
     from fractus_jax.train import peers
 
     now = [0.0]
     store = _Store()
-    dogs = [peers.Watchdog(store, i, 3, lambda p, s: f"lost {p}", clock=lambda: now[0]) for i in range(3)]
+    kw = {} if timeout is None else {"timeout": timeout}
+    timeout = timeout or peers.PEER_TIMEOUT_SECONDS
+    dogs = [peers.Watchdog(store, i, 3, lambda p, s: f"lost {p}", clock=lambda: now[0], **kw) for i in range(3)]
 
     def tick(seconds, who=(0, 1, 2)):
         for _ in range(int(seconds / peers.HEARTBEAT_SECONDS)):
@@ -392,15 +397,28 @@ def test_the_watchdog_names_a_silent_peer_or_process_0_when_the_store_is_silent(
 
     tick(300)   # all beat (a compilation of minutes changes nothing: the beats come from a thread)
     assert [d.lost() for d in dogs] == [None] * 3
-    tick(peers.PEER_TIMEOUT_SECONDS + 2 * peers.HEARTBEAT_SECONDS, who=(0, 1))   # process 2 silent
+    tick(timeout - peers.HEARTBEAT_SECONDS, who=(0, 1))   # process 2 silent, not yet for the timeout
+    assert [d.lost() for d in dogs[:2]] == [None] * 2
+    tick(3 * peers.HEARTBEAT_SECONDS, who=(0, 1))
     assert dogs[0].lost()[0] == dogs[1].lost()[0] == 2
-    assert peers.PEER_TIMEOUT_SECONDS < dogs[0].lost()[1] <= peers.PEER_LOST_BOUND_SECONDS
+    assert timeout < dogs[0].lost()[1] <= peers.lost_bound_seconds(timeout)
     dogs[2].finish()   # a process that finished is never taken for dead
     tick(peers.HEARTBEAT_SECONDS, who=(0, 1))
     assert dogs[0].lost() is None and dogs[1].lost() is None
     store.down = True   # process 0 and its store gone: process 1 names process 0
-    tick(peers.PEER_TIMEOUT_SECONDS + 2 * peers.HEARTBEAT_SECONDS, who=(1,))
+    tick(timeout + 2 * peers.HEARTBEAT_SECONDS, who=(1,))
     assert dogs[1].lost()[0] == 0
+
+
+def test_a_peer_timeout_under_five_heartbeats_is_refused(tmp_path):
+    from fractus_jax.train import peers
+
+    with pytest.raises(ValueError, match="under 10.0 s"):
+        peers.Watchdog(_Store(), 0, 2, lambda p, s: "", timeout=peers.MIN_PEER_TIMEOUT_SECONDS - 1)
+    out = subprocess.run([sys.executable, "-m", "fractus_jax.train", "--config", "tiny", "--workdir",
+                          str(tmp_path / "run"), "--peer-timeout", "3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--peer-timeout 3 is under 10 s" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
 
 
 def test_the_watchdog_ends_the_process_with_its_line_last(capsys):
@@ -412,8 +430,10 @@ def test_the_watchdog_ends_the_process_with_its_line_last(capsys):
     dog.end(1, 31.2)
     assert codes == [peers.EXIT_PEER_LOST]
     assert capsys.readouterr().err.splitlines()[-1] == "error: process 1 stopped answering (31 s)"
-    assert peers.SERVICE_HEARTBEAT_TIMEOUT_SECONDS > peers.PEER_LOST_BOUND_SECONDS >= (
-        peers.PEER_TIMEOUT_SECONDS + 2 * peers.HEARTBEAT_SECONDS + 1)
+    for timeout in (peers.PEER_TIMEOUT_SECONDS, peers.MIN_PEER_TIMEOUT_SECONDS):
+        assert peers.service_heartbeat_timeout_seconds(timeout) > peers.lost_bound_seconds(timeout) >= (
+            timeout + 2 * peers.HEARTBEAT_SECONDS + 1)
+    assert peers.PEER_LOST_BOUND_SECONDS == 35 and peers.SERVICE_HEARTBEAT_TIMEOUT_SECONDS == 140   # docs/training.md
 
 
 def test_the_coordination_client_is_where_runtime_client_reads_it():

@@ -33,9 +33,17 @@ def parse_args(argv=None):
     dist.add_argument("--coordinator", help="host:port of process 0")
     dist.add_argument("--num-processes", type=int)
     dist.add_argument("--process-id", type=int)
+    dist.add_argument("--peer-timeout", type=float, default=peers.PEER_TIMEOUT_SECONDS, metavar="SECONDS",
+                      help=f"a process silent this long is taken for dead, and every other one ends "
+                           f"within this + {peers.lost_bound_seconds(0):.0f} s (default "
+                           f"{peers.PEER_TIMEOUT_SECONDS:.0f}; at least {peers.MIN_PEER_TIMEOUT_SECONDS:.0f})")
     dist.add_argument("--local-devices", type=int,
                       help="CPU only: devices per process (tests and rehearsals on one machine)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.peer_timeout < peers.MIN_PEER_TIMEOUT_SECONDS:
+        p.error(f"--peer-timeout {args.peer_timeout:g} is under {peers.MIN_PEER_TIMEOUT_SECONDS:g} s "
+                "(five heartbeats): a late heartbeat would read as a death")
+    return args
 
 
 def init_distributed(args) -> None:
@@ -47,7 +55,8 @@ def init_distributed(args) -> None:
                                     ("num_processes", args.num_processes),
                                     ("process_id", args.process_id)) if v is not None}
         # the service's own abort on a lost heartbeat comes after the watchdog's end (peers.py)
-        jax.distributed.initialize(heartbeat_timeout_seconds=peers.SERVICE_HEARTBEAT_TIMEOUT_SECONDS, **kwargs)
+        jax.distributed.initialize(heartbeat_timeout_seconds=peers.service_heartbeat_timeout_seconds(args.peer_timeout),
+                                   **kwargs)
 
 
 def start_watchdog(args, argv):
@@ -57,7 +66,8 @@ def start_watchdog(args, argv):
         return None
     index, count = jax.process_index(), jax.process_count()   # not asked of JAX again once a peer is gone
     dog = peers.Watchdog(policy.runtime_client(), index, count,
-                         lambda process, seconds: peer_lost_line(args, argv, process, seconds, index, count)).start()
+                         lambda process, seconds: peer_lost_line(args, argv, process, seconds, index, count),
+                         timeout=args.peer_timeout).start()
     dog.hold_aborts()
     return dog
 

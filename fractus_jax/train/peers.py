@@ -6,16 +6,16 @@ JAX's coordination service aborts them a minute or more later with a C++ stack t
 each process of a multi-process run keeps a watchdog (two daemon threads, nothing on the
 step's thread): every HEARTBEAT_SECONDS it writes a counter to the coordination service's
 key-value store and reads the others'. When a peer's counter has not moved for
-PEER_TIMEOUT_SECONDS by this process's own clock (clocks of different hosts are never
+PEER_TIMEOUT_SECONDS (the trainer's --peer-timeout) by this process's own clock (clocks of different hosts are never
 compared), or the store itself has not answered for as long (process 0, which holds the
 service, is gone), the watchdog prints one line naming that process, the last committed
 step and the command that resumes the run, and ends this process with EXIT_PEER_LOST.
 
 JAX's client aborts a process (SIGABRT) the moment it finds the service gone; the watchdog
 holds that abort while it judges (`Watchdog.hold_aborts`), and the service's own heartbeat
-timeout is raised past the bound (SERVICE_HEARTBEAT_TIMEOUT_SECONDS, given to
-jax.distributed.initialize), so a survivor ends within PEER_LOST_BOUND_SECONDS of its
-peer's death, by the watchdog's line.
+timeout is raised past the bound (service_heartbeat_timeout_seconds, given to
+jax.distributed.initialize), so a survivor ends within lost_bound_seconds of its peer's
+death (PEER_LOST_BOUND_SECONDS at the default timeout), by the watchdog's line.
 
 Heartbeats come from the watchdog's threads, so a compilation or a save of any length, or
 a step blocked in a collective, never looks like a death; a process that finished (its run ended or stopped
@@ -31,14 +31,28 @@ import time
 from typing import Callable, Optional
 
 HEARTBEAT_SECONDS = 2.0        # each process writes its counter this often
-PEER_TIMEOUT_SECONDS = 30.0    # a counter unmoved (or a store unanswering) this long: the peer is lost
-# The bound stated to users (docs/training.md, "Faults and recovery"): the timeout, one
-# heartbeat (a peer's last counter is seen up to one late), one tick of the judge, the message.
-PEER_LOST_BOUND_SECONDS = 35
+# A counter unmoved (or a store unanswering) this long: the peer is lost. The trainer's
+# --peer-timeout; at least MIN_PEER_TIMEOUT_SECONDS, five heartbeats, so that a beat late on
+# a loaded host is never read as a death.
+PEER_TIMEOUT_SECONDS = 30.0
+MIN_PEER_TIMEOUT_SECONDS = 5 * HEARTBEAT_SECONDS
 EXIT_PEER_LOST = 3             # the exit status of a survivor
-# jax.distributed's own heartbeat timeout (its default: 100 s), after which its service
-# aborts every process: kept well past PEER_LOST_BOUND_SECONDS, so the watchdog ends first.
-SERVICE_HEARTBEAT_TIMEOUT_SECONDS = 4 * PEER_LOST_BOUND_SECONDS
+
+
+def lost_bound_seconds(timeout: float = PEER_TIMEOUT_SECONDS) -> float:
+    """The bound stated to users (docs/training.md, "Faults and recovery"): the timeout, one
+    heartbeat (a peer's last counter is seen up to one late), one tick of the judge, the message."""
+    return timeout + HEARTBEAT_SECONDS + 3.0
+
+
+def service_heartbeat_timeout_seconds(timeout: float = PEER_TIMEOUT_SECONDS) -> int:
+    """jax.distributed's own heartbeat timeout (its default: 100 s), after which its service
+    aborts every process: kept well past the watchdog's bound, so the watchdog ends first."""
+    return int(4 * lost_bound_seconds(timeout))
+
+
+PEER_LOST_BOUND_SECONDS = lost_bound_seconds()                        # 35 s
+SERVICE_HEARTBEAT_TIMEOUT_SECONDS = service_heartbeat_timeout_seconds()   # 140 s
 
 PREFIX = "fractus_jax/peers/"
 DONE = "done"
@@ -49,13 +63,17 @@ class Watchdog:
 
     client: the coordination service's client (`key_value_set`, `key_value_dir_get`).
     message(process, seconds): the line that ends this process when `process` has not
-    answered for `seconds` (called once, on the judge's thread)."""
+    answered for `seconds` (called once, on the judge's thread). timeout: the silence that
+    makes a peer lost (PEER_TIMEOUT_SECONDS; no less than MIN_PEER_TIMEOUT_SECONDS)."""
 
     def __init__(self, client, process_index: int, process_count: int,
                  message: Callable[[int, float], str], clock: Callable[[], float] = time.monotonic,
-                 exit: Callable[[int], None] = os._exit):
+                 exit: Callable[[int], None] = os._exit, timeout: float = PEER_TIMEOUT_SECONDS):
+        if timeout < MIN_PEER_TIMEOUT_SECONDS:
+            raise ValueError(f"a peer timeout of {timeout} s is under {MIN_PEER_TIMEOUT_SECONDS} s "
+                             "(five heartbeats): a late beat would read as a death")
         self.client, self.index, self.count = client, process_index, process_count
-        self.message, self.clock, self.exit = message, clock, exit
+        self.message, self.clock, self.exit, self.timeout = message, clock, exit, timeout
         self.beats = 0
         now = clock()
         self.last_ok = now                                  # the store's last answer
@@ -127,10 +145,10 @@ class Watchdog:
         with self._lock:
             if self.seen.get(0, (None,))[0] == DONE:
                 return None   # process 0 finished: the store may go at any time
-            if now - self.last_ok > PEER_TIMEOUT_SECONDS:
+            if now - self.last_ok > self.timeout:
                 return 0, now - self.last_ok
             for i, (value, since) in sorted(self.seen.items()):
-                if value != DONE and now - since > PEER_TIMEOUT_SECONDS:
+                if value != DONE and now - since > self.timeout:
                     return i, now - since
         return None
 
@@ -153,7 +171,7 @@ class Watchdog:
         start = self.clock()
         with self._lock:
             before = dict(self.changes)
-        while self.clock() - start < PEER_LOST_BOUND_SECONDS + 3 * HEARTBEAT_SECONDS:
+        while self.clock() - start < lost_bound_seconds(self.timeout) + 3 * HEARTBEAT_SECONDS:
             with self._lock:
                 if all(v == DONE or self.changes[i] >= before[i] + 2 for i, (v, _) in self.seen.items()):
                     return
