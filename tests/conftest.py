@@ -1,7 +1,7 @@
 """Test setup: 8 fake CPU devices (for the sharding tests) before JAX initialises, XLA:CPU
-code generation at -O0 with the elemental fusion emitters, and a persistent compilation cache for the CLI subprocesses, so that
-each of their programs is compiled once per machine (and per pytest-xdist worker: the README
-runs the suite on two).
+code generation at -O0 with the elemental fusion emitters, and a persistent compilation cache
+for the test processes and the CLI subprocesses they start, so that each program is compiled
+once per machine (and per pytest-xdist worker: the README runs the suite on two).
 
 No silent skips: the device-count flag is added to an XLA_FLAGS already set (one that names
 a count of its own keeps it); a test marked `devices(n)` fails on a CPU with fewer devices
@@ -16,9 +16,9 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # XLA:CPU's code generation at -O0 and with its older fusion emitters: the tests' programs
 # are tiny, and compiling them, not running them, is most of the suite's time. XLA's own
 # passes (fusion, layout, sharding) still run; LLVM's optimisation of the machine code is
-# skipped, and each fusion is emitted by the elemental emitter, which compiles a tiny train
-# step in about half the time of the MLIR fusion emitters (docs/performance.md, "Compiling
-# the tests' programs"). Results differ from the defaults' by rounding only (another order
+# skipped, and each fusion is emitted by the elemental emitter, which takes a tiny train
+# step's first call (trace, compile, run) from 10.2 s to 6.8 s (README, the test command).
+# Results differ from the defaults' by rounding only (another order
 # of float32 sums); every comparison in the suite is between programs compiled alike or
 # within a tolerance. A level or emitter choice already set is kept.
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
@@ -50,21 +50,20 @@ os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("FRACTUS_TEST_SUBPROCESS_XLA_FLAGS",
                       " ".join(f for f in _flags.split() if not f.startswith(DEVICE_COUNT_FLAG)))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Subprocesses (CLI tests) inherit these through the environment. One cache per pytest-xdist
-# worker (the workers inherit the controller's environment, so it is set, not defaulted): JAX
-# writes an entry in place, and another process could read it half written.
+# A persistent compilation cache, read and written by the test processes and the CLI
+# subprocesses they start (they inherit it through the environment): a program that several
+# tests compile (the same step, another run directory) is compiled once per machine. One
+# cache per pytest-xdist worker (the workers inherit the controller's environment, so it is
+# set, not defaulted): JAX writes an entry in place, and another process could read it half
+# written. (Test processes writing into it crashed in jaxlib's serialisation late in full
+# runs before _release_compiled_programs below kept each process under the kernel's
+# memory-map limit; with it, full runs pass with the cache on.)
 _XLA_CACHE = os.environ.setdefault("FRACTUS_TEST_XLA_CACHE",
                                    os.path.join(tempfile.gettempdir(), "fractus_jax_test_xla_cache"))
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_XLA_CACHE, os.environ.get("PYTEST_XDIST_WORKER", "main"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 
 import jax  # noqa: E402
-
-# The long test process itself neither reads nor writes that cache: serialising a compiled
-# CPU executable into it crashed jaxlib 0.10.2 (SIGSEGV or SIGABRT inside
-# put_executable_and_time) late in full runs, taking the whole run down. Programs compiled
-# here are reused in-process anyway; the short CLI subprocesses keep the cache.
-jax.config.update("jax_enable_compilation_cache", False)
 
 
 import pytest  # noqa: E402
