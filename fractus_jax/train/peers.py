@@ -6,10 +6,11 @@ JAX's coordination service aborts them a minute or more later with a C++ stack t
 each process of a multi-process run keeps a watchdog (two daemon threads, nothing on the
 step's thread): every HEARTBEAT_SECONDS it writes a counter to the coordination service's
 key-value store and reads the others'. When a peer's counter has not moved for
-PEER_TIMEOUT_SECONDS (the trainer's --peer-timeout) by this process's own clock (clocks of different hosts are never
-compared), or the store itself has not answered for as long (process 0, which holds the
-service, is gone), the watchdog prints one line naming that process, the last committed
-step and the command that resumes the run, and ends this process with EXIT_PEER_LOST.
+PEER_TIMEOUT_SECONDS (the trainer's --peer-timeout) by this process's own clock (clocks of
+different hosts are never compared), or the store itself has not answered for as long
+(process 0, which holds the service, is gone), the watchdog prints one line naming that
+process, the last committed step and the command that resumes the run, and ends this
+process with EXIT_PEER_LOST.
 
 JAX's client aborts a process (SIGABRT) the moment it finds the service gone; the watchdog
 holds that abort while it judges (`Watchdog.hold_aborts`), and the service's own heartbeat
@@ -18,8 +19,8 @@ jax.distributed.initialize), so a survivor ends within lost_bound_seconds of its
 death (PEER_LOST_BOUND_SECONDS at the default timeout), by the watchdog's line.
 
 Heartbeats come from the watchdog's threads, so a compilation or a save of any length, or
-a step blocked in a collective, never looks like a death; a process that finished (its run ended or stopped
-on a signal) says so and is never taken for dead.
+a step blocked in a collective, never looks like a death; a process that finished (its run
+ended or stopped on a signal) says so and is never taken for dead.
 """
 from __future__ import annotations
 
