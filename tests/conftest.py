@@ -9,6 +9,8 @@ a count of its own keeps it); a test marked `devices(n)` fails on a CPU with few
 failing import of this project's own code (`pytest.importorskip("fractus_jax...")`) is
 reported as a failure."""
 import os
+import subprocess
+import sys
 import tempfile
 
 FAKE_DEVICES = 8
@@ -18,18 +20,15 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # passes (fusion, layout, sharding) still run; LLVM's optimisation of the machine code is
 # skipped, and each fusion is emitted by the elemental emitter, which takes a tiny train
 # step's first call (trace, compile, run) from 10.2 s to 6.8 s (README, the test command).
-# Results differ from the defaults' by rounding only (another order
-# of float32 sums); every comparison in the suite is between programs compiled alike or
-# within a tolerance. A level or emitter choice already set is kept.
+# Results differ from the defaults' by rounding only (another order of float32 sums); every
+# comparison in the suite is between programs compiled alike or within a tolerance. A level
+# or emitter choice already set is kept.
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
 EMITTER_FLAG = "--xla_cpu_use_fusion_emitters"
 
 
 def _jaxlib_knows(flag: str) -> bool:
     """XLA aborts the process on a flag it does not know: try it once, in a subprocess."""
-    import subprocess
-    import sys
-
     env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
                           env=env, capture_output=True).returncode == 0
