@@ -203,17 +203,28 @@ def test_greedy_decoding_is_deterministic(trained):
 @pytest.mark.slow   # the 450-step memorisation fixture
 @pytest.mark.parametrize("mode", ["step", "window"])
 def test_a_batch_gives_each_prompt_what_it_gets_alone(trained, mode):
-    """Prompts of different lengths are left-padded into one batch; the padding is invisible."""
+    """Prompts of different lengths are left-padded into one batch; the padding is invisible.
+
+    In float64: a batch of one and a batch of two are different programs, and float32's
+    rounding of them can flip a near tie among the top-k experts (seen once on one CPU, at
+    the prefill's last position, after which the carried state differs); float64's rounding
+    is far below any gate gap, so what is left to differ is the padding itself."""
     params, stream, _ = trained
     args, _ = _speech_args(stream)
     args["mode"] = mode
     short = "Fox,ju"
-    both = gen.generate(params, CFG, [PREFIX, short], **args)
-    alone = [gen.generate(params, CFG, p, **args)[0] for p in (PREFIX, short)]
+    with jax.enable_x64(True):
+        params64 = jax.tree.map(lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                                params)
+        both = gen.generate(params64, CFG, [PREFIX, short], **args)
+        alone = [gen.generate(params64, CFG, p, **args)[0] for p in (PREFIX, short)]
     assert len(atom.encode_open(short)) < len(atom.encode_open(PREFIX))
+    if mode == "window":   # as trained (from a zero state): the phrase
+        assert both[0].text == TEXT[len(PREFIX):]
     for b, a in zip(both, alone):
         assert b.prompt == a.prompt and b.ids == a.ids
-        np.testing.assert_allclose(b.confidence, a.confidence, rtol=1e-4, atol=1e-5)
+        # the confidences are float32 (decode's output): equal up to its rounding
+        np.testing.assert_allclose(b.confidence, a.confidence, rtol=0, atol=1e-6)
         assert all(0 <= i < CFG.vocab_size for i in b.ids)
 
 
