@@ -38,8 +38,7 @@ def test_gpu_check_runs_end_to_end_on_a_cpu_with_the_tiny_config(tmp_path):
     env = {**os.environ, "OUT": str(out), "CONFIG": "tiny", "BATCHES": "8 4", "STEPS": "2",
            "ATTN_BATCH": "1", "ATTN_IMPLS": "chunkwise", "DISPATCH_CONFIG": "tiny", "GPU_CHECK_INSTALL": "0",
            # a CPU shared with other tests: every step may take 4× its GPU limit, within 15 minutes
-           "LIMIT_SCALE": "4", "BUDGET_S": "900",
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
+           "LIMIT_SCALE": "4", "BUDGET_S": "900", "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
