@@ -1,4 +1,6 @@
 """The fast kernels against their executable references, in float64."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,9 +79,9 @@ def test_attention_gradients():
     inputs = _attn_inputs(jax.random.PRNGKey(2), 2, 9, 3, reset=jnp.zeros((2, 9), bool).at[0, 4].set(True))
     f = lambda q, k, v, S, z: A.linear_attention(q, k, v, S, z, inputs[5], block_size=4)  # noqa: E731
     check_grads(f, inputs[:5], order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
-    g_fast = jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)[0])), argnums=(0, 1, 2, 3, 4))(*inputs[:5])
-    g_ref = jax.grad(lambda *a: jnp.sum(jnp.sin(A.linear_attention_reference(*a, inputs[5])[0])),
-                     argnums=(0, 1, 2, 3, 4))(*inputs[:5])
+    g_fast = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)[0])), argnums=(0, 1, 2, 3, 4)))(*inputs[:5])
+    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(A.linear_attention_reference(*a, inputs[5])[0])),
+                             argnums=(0, 1, 2, 3, 4)))(*inputs[:5])
     for a, b in zip(g_fast, g_ref):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
@@ -87,7 +89,7 @@ def test_attention_gradients():
 def test_attention_is_causal():
     qf, kf, v, S0, z0, r = _attn_inputs(jax.random.PRNGKey(3), 1, 16)
     t = 6
-    jac = jax.jacrev(lambda vv: A.linear_attention(qf, kf, vv, S0, z0, r, block_size=4)[0][0, t])(v)
+    jac = jax.jit(jax.jacrev(lambda vv: A.linear_attention(qf, kf, vv, S0, z0, r, block_size=4)[0][0, t]))(v)
     assert float(jnp.abs(jac[..., : t + 1, :]).max()) > 0.0
     assert float(jnp.abs(jac[..., t + 1:, :]).max()) == 0.0
 
@@ -122,8 +124,9 @@ def test_capacity_moe_equals_exact_without_overflow():
     assert bool(kept.all())
     assert float(jnp.abs(y_ref).max()) > 1e-3
     np.testing.assert_allclose(y_cap, y_ref, rtol=1e-12, atol=1e-12)
-    g1 = jax.grad(lambda x, f: jnp.sum(jnp.tanh(M.moe_capacity(x, idx, w, f, cap)[0])), argnums=(0, 1))(x, f)
-    g2 = jax.grad(lambda x, f: jnp.sum(jnp.tanh(M.moe_exact(x, idx, w, f))), argnums=(0, 1))(x, f)
+    grad = lambda moe: jax.jit(jax.grad(lambda x, f: jnp.sum(jnp.tanh(moe(x, f))), argnums=(0, 1)))  # noqa: E731
+    g1 = grad(lambda x, f: M.moe_capacity(x, idx, w, f, cap)[0])(x, f)
+    g2 = grad(lambda x, f: M.moe_exact(x, idx, w, f))(x, f)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), g1, g2)
 
 
@@ -354,7 +357,8 @@ def test_each_cpu_form_computes_its_plain_form_in_float64(name):
     def outputs(side, *a):
         return _outputs(getattr(forms[side], name)(*a, *rest))
 
-    want, got = outputs("plain", *diff), outputs("cpu", *diff)
+    # jitted, as the engine calls them (one program each, not one per operation)
+    want, got = (jax.jit(functools.partial(outputs, side))(*diff) for side in forms)
     for a, b in zip(want, got, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
     cts = [jax.random.normal(jax.random.PRNGKey(i), o.shape, o.dtype) for i, o in enumerate(want)]
@@ -363,7 +367,7 @@ def test_each_cpu_form_computes_its_plain_form_in_float64(name):
         return lambda *a: sum(jnp.vdot(o, c) for o, c in zip(outputs(side, *a), cts))
 
     argnums = tuple(range(len(diff)))
-    g_plain, g_cpu = (jax.grad(loss(side), argnums)(*diff) for side in forms)
+    g_plain, g_cpu = (jax.jit(jax.grad(loss(side), argnums))(*diff) for side in forms)
     for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_cpu), strict=True):
         assert float(jnp.abs(a).max()) > 1e-3              # a real gradient to compare
         np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-11)

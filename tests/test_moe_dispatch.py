@@ -47,15 +47,16 @@ def test_dropless_equals_exact_forward_and_gradients(block):
         counts = np.bincount(np.asarray(idx).ravel(), minlength=E)
         assert counts.max() > T * K / E and (counts == 0).any()      # crowded and empty experts
         dropless = lambda *a: M.moe_dropless(*a, block)  # noqa: E731
-        y = dropless(x, idx, w, f)
-        y_ref = M.moe_exact(x, idx, w, f)
+        # jitted, as the engine calls them (one program each, not one per operation)
+        y = jax.jit(dropless)(x, idx, w, f)
+        y_ref = jax.jit(M.moe_exact)(x, idx, w, f)
         assert float(jnp.abs(y_ref).max()) > 1e-2
         np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
 
         def loss(fn):
             return lambda x, w, f: jnp.sum(jnp.tanh(fn(x, idx, w, f)))
-        g = jax.grad(loss(dropless), argnums=(0, 1, 2))(x, w, f)
-        g_ref = jax.grad(loss(M.moe_exact), argnums=(0, 1, 2))(x, w, f)
+        g = jax.jit(jax.grad(loss(dropless), argnums=(0, 1, 2)))(x, w, f)
+        g_ref = jax.jit(jax.grad(loss(M.moe_exact), argnums=(0, 1, 2)))(x, w, f)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11), g, g_ref)
 
 
@@ -98,8 +99,9 @@ def test_engine_dropless_equals_capacity_at_e_over_k(variant):
             logits, lb, new_state = model.forward_chunk(p, state, ids, c)
             return jnp.mean(jax.nn.logsumexp(logits, -1)) + 0.02 * lb, (logits, new_state)
 
-        (l1, (lg1, st1)), g1 = jax.value_and_grad(loss, has_aux=True)(params, cfg)
-        (l2, (lg2, st2)), g2 = jax.value_and_grad(loss, has_aux=True)(params, padded)
+        loss_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+        (l1, (lg1, st1)), g1 = loss_and_grad(params, cfg)
+        (l2, (lg2, st2)), g2 = loss_and_grad(params, padded)
     np.testing.assert_allclose(lg1, lg2, rtol=1e-11, atol=1e-11)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-11), st1, st2)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11), g1, g2)
