@@ -208,7 +208,7 @@ def test_a_batch_gives_each_prompt_what_it_gets_alone(trained, mode):
     In float64: a batch of one and a batch of two are different programs, and float32's
     rounding of them can flip a near tie among the top-k experts (seen once on one CPU, at
     the prefill's last position, after which the carried state differs); float64's rounding
-    is far below any gate gap, so what is left to differ is the padding itself."""
+    is far below the gate gaps met here, so what is left to differ is the padding itself."""
     params, stream, _ = trained
     args, _ = _speech_args(stream)
     args["mode"] = mode
