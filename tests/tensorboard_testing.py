@@ -10,15 +10,19 @@ import numpy as np
 def read_event_files(directory):
     """[(file name, [Event, ...]), ...] of a directory's event files in name order (TensorBoard's
     reading order), read with a TFRecord reader of its own: 8-byte length, 4-byte length
-    checksum, the record, 4-byte checksum (the checksums are not checked here)."""
+    checksum, the record, 4-byte checksum, each checksum checked."""
     from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
 
     out = []
     for path in sorted(p for p in Path(directory).iterdir() if "tfevents" in p.name):
         data, pos, events = path.read_bytes(), 0, []
         while pos < len(data):
             (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            events.append(Event.FromString(data[pos + 12:pos + 12 + n]))
+            record = data[pos + 12:pos + 12 + n]
+            assert struct.unpack("<II", data[pos + 8:pos + 12] + data[pos + 12 + n:pos + 16 + n]) == (
+                masked_crc32c(data[pos:pos + 8]), masked_crc32c(record)), (path, pos)
+            events.append(Event.FromString(record))
             pos += 12 + n + 4
         assert pos == len(data), path
         out.append((path.name, events))

@@ -57,7 +57,7 @@ LAZY_LOADERS = {
 
 # Optional third-party dependencies (pyproject's extras): a module that imports one, or
 # imports a module that does, may be imported inside a function.
-OPTIONAL = {"torch", "safetensors", "tensorboardX", "matplotlib"}
+OPTIONAL = {"torch", "safetensors", "matplotlib"}
 
 
 def _modules() -> dict[str, Path]:

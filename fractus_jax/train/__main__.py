@@ -197,8 +197,7 @@ def outputs_summary(args, argv, cfg, manifest) -> str:
     lines.append(f"  plot: python {q(_script('plot_metrics.py'))} {q(str(workdir))}" + _needs("matplotlib", "plot"))
     if cfg.tensorboard:
         viewer = "" if importlib.util.find_spec("tensorboard") is not None else "   (first: pip install tensorboard)"
-        lines.append(f"  watch: tensorboard --logdir {q(str(workdir / TENSORBOARD))}"
-                     + (_needs("tensorboardX", "tensorboard") or viewer))
+        lines.append(f"  watch: tensorboard --logdir {q(str(workdir / TENSORBOARD))}" + viewer)
     return "\n".join(lines)
 
 

@@ -376,12 +376,12 @@ class TensorBoardEvents:
     """The run's TensorBoard event files (`tboard.TensorBoardLog`), caught up with the log;
     a write that fails is the run's error, like one of the log's."""
 
-    def __init__(self, directory, resume_step: Optional[int], records: list[dict], pb, log: Log,
+    def __init__(self, directory, resume_step: Optional[int], records: list[dict], log: Log,
                  last_good: Callable[[], Optional[int]] = lambda: None):
         self.directory = Path(directory)
         self._last_good = last_good
         try:
-            self._log = tboard.TensorBoardLog(self.directory, resume_step, records, pb, log)
+            self._log = tboard.TensorBoardLog(self.directory, resume_step, records, log)
         except OSError as e:
             raise io_error("cannot write", getattr(e, "filename", None) or self.directory, e, resume_step) from None
         self.path = self._log.path
@@ -397,17 +397,6 @@ class TensorBoardEvents:
             self._log.close()
         except OSError as e:
             raise io_error("cannot write", self.path, e, self._last_good()) from None
-
-
-def start_tensorboard(workdir, resume_step: Optional[int], records: list[dict], log: Log,
-                      last_good: Callable[[], Optional[int]] = lambda: None) -> Optional[TensorBoardEvents]:
-    """The run's event files in DIR/tensorboard; None, with one note, where tensorboardX
-    does not load."""
-    pb, why = tboard.library()
-    if pb is None:
-        log(tboard.missing_note(why))
-        return None
-    return TensorBoardEvents(Path(workdir) / tboard.DIRNAME, resume_step, records, pb, log, last_good)
 
 
 # ----------------------------------------------------------------------------- the directory
@@ -463,8 +452,8 @@ class RunDir:
         if self.lead:
             self.metrics = MetricsLog(self.workdir / METRICS, resume_step, self.log, self.last_good)
             if self.tensorboard_on:
-                self.tensorboard = start_tensorboard(self.workdir, resume_step, self.metrics.kept, self.log,
-                                                     self.last_good)
+                self.tensorboard = TensorBoardEvents(self.workdir / tboard.DIRNAME, resume_step,
+                                                     self.metrics.kept, self.log, self.last_good)
             self.metrics.kept = []
         return self.metrics
 

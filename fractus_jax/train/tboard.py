@@ -13,8 +13,8 @@ hold exactly its records, once each, in order:
   - the longest run of events, from the first file on, that matches the log's records is
     kept; the first event that does not (a step past S written by the earlier life, a torn
     write) and everything after it are cut: its file truncated there, later files removed;
-  - the log's records the files lack after that point (lost in a crash, logged while
-    tensorboardX was missing or tensorboard=false, a grown run's copied history) are written
+  - the log's records the files lack after that point (lost in a crash, logged with
+    tensorboard=false, a grown run's copied history) are written
     again, at the head of the new life's file, with their old wall times where known.
 Each life writes a file of its own (its name sorts after the earlier ones: TensorBoard reads
 a directory's files in name order). It opens with a run-start (START) event at its first step (S+1
@@ -23,10 +23,12 @@ the events past S it had read (it purges at every START of a run but the first, 
 why a fresh run writes one too). Every step of the cut is safe to interrupt: the next start
 finds a prefix of the log's records, and the rest follows.
 
-The writer: tensorboardX's event protobufs (Event, Summary, the run-start record) and its record framing
-(masked CRC-32C), written here synchronously. Its SummaryWriter queues events to a
-background thread that flushes every two minutes: a kill loses what is queued, and a write
-error ends that thread, after which its queue fills and blocks the training loop for good.
+The writer is this module: TensorBoard's record framing (a TFRecord: length, masked CRC-32C
+of the length, the record, masked CRC-32C of the record) and the few protobuf fields of an
+Event it writes and reads (wall_time, step, file_version, summary's tag/simple_value pairs,
+session_log's status), encoded by hand, so a run needs no library for its curves and starts
+without one's import. Each record is written synchronously and flushed: a kill loses no
+queued events, and a write error is the run's error, like one of the log's.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -46,29 +48,7 @@ import numpy as np
 DIRNAME = "tensorboard"
 PREFIX = "events.out.tfevents."
 FILE_VERSION = "brain.Event:2"
-INSTALL = "pip install -e \".[tensorboard]\""
-
 Log = Callable[[str], None]
-
-
-def library():
-    """tensorboardX's protobufs and record checksum; (None, why) where it does not load."""
-    try:
-        from tensorboardX.proto import event_pb2, summary_pb2
-        from tensorboardX.record_writer import masked_crc32c
-    except ImportError as e:
-        if (e.name or "tensorboardX").split(".")[0] == "tensorboardX":
-            return None, "is not installed"
-        return None, f"does not load ({_first_line(e)})"   # protobuf missing, say
-    except Exception as e:   # noqa: BLE001 - a broken install (a protobuf it does not fit) ends no run
-        return None, f"does not load ({_first_line(e)})"
-    return SimpleNamespace(Event=event_pb2.Event, Summary=summary_pb2.Summary,
-                           crc=masked_crc32c), None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def _f32(x: float) -> float:
@@ -100,6 +80,145 @@ def _step(record: dict) -> Optional[int]:
     return int(s) if isinstance(s, (int, float)) and math.isfinite(s) else None
 
 
+# ----------------------------------------------------------------------------- the records
+
+def _crc32c_table() -> tuple[int, ...]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1   # Castagnoli's polynomial, reflected
+        table.append(c)
+    return tuple(table)
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
+def masked_crc32c(data: bytes) -> int:
+    """A TFRecord's checksum: the CRC-32C of `data`, rotated right by 15 bits, plus 0xa282ead8."""
+    crc, table = 0xFFFFFFFF, _CRC32C_TABLE
+    for b in data:
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# The protobuf fields written and read (tensorboard's event.proto and summary.proto):
+#   Event: wall_time = 1 (double), step = 2 (int64), file_version = 3 (string),
+#          summary = 5 (Summary), session_log = 7 (SessionLog)
+#   Summary: value = 1 (repeated Value);  Value: tag = 1 (string), simple_value = 2 (float)
+#   SessionLog: status = 1 (enum; START = 1)
+_VARINT, _FIXED64, _BYTES, _FIXED32 = 0, 1, 2, 5
+START = 1
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1   # an int64 below zero as protobuf writes it: ten bytes
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | 0x80 if n else b)
+        if not n:
+            return bytes(out)
+
+
+def _key(field: int, wire: int) -> bytes:
+    return _varint(field << 3 | wire)
+
+
+def _message(field: int, payload: bytes) -> bytes:
+    return _key(field, _BYTES) + _varint(len(payload)) + payload
+
+
+def _fields(data: bytes):
+    """(field, wire type, value) of a message: an int for a varint, bytes for the rest;
+    ValueError where it is cut short or uses a wire type these records never hold."""
+    pos, n = 0, len(data)
+
+    def varint():
+        nonlocal pos
+        out = shift = 0
+        while True:
+            if pos >= n or shift > 63:
+                raise ValueError("a varint cut short")
+            b = data[pos]
+            pos += 1
+            out |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return out
+
+    while pos < n:
+        key = varint()
+        field, wire = key >> 3, key & 7
+        if wire == _VARINT:
+            value = varint()
+        elif wire in (_FIXED64, _FIXED32, _BYTES):
+            size = 8 if wire == _FIXED64 else 4 if wire == _FIXED32 else varint()
+            if pos + size > n:
+                raise ValueError("a field cut short")
+            value, pos = data[pos:pos + size], pos + size
+        else:
+            raise ValueError(f"wire type {wire}")
+        yield field, wire, value
+
+
+@dataclass(frozen=True)
+class Event:
+    """One TensorBoard event, of the kinds a run writes: the file version, a run's START, or
+    a summary of scalars (tag -> value as float32)."""
+    wall_time: float = 0.0
+    step: int = 0
+    file_version: Optional[str] = None
+    summary: Optional[dict[str, float]] = None
+    session_status: Optional[int] = None
+
+    def encode(self) -> bytes:
+        """The Event's protobuf bytes (proto3: wall_time and step left out at zero)."""
+        out = b""
+        if self.wall_time:
+            out += _key(1, _FIXED64) + struct.pack("<d", self.wall_time)
+        if self.step:
+            out += _key(2, _VARINT) + _varint(self.step)
+        if self.file_version is not None:
+            out += _message(3, self.file_version.encode())
+        if self.summary is not None:
+            out += _message(5, b"".join(
+                _message(1, _message(1, tag.encode()) + _key(2, _FIXED32) + struct.pack("<f", v))
+                for tag, v in self.summary.items()))
+        if self.session_status is not None:
+            out += _message(7, _key(1, _VARINT) + _varint(self.session_status) if self.session_status else b"")
+        return out
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Event":
+        """An Event from its protobuf bytes; fields this writer never sets are skipped, and
+        ValueError where the bytes are not a message."""
+        kw = {}
+        for field, wire, value in _fields(data):
+            if field == 1 and wire == _FIXED64:
+                kw["wall_time"] = struct.unpack("<d", value)[0]
+            elif field == 2 and wire == _VARINT:
+                kw["step"] = value - (1 << 64) if value >> 63 else value
+            elif field == 3 and wire == _BYTES:
+                kw["file_version"] = value.decode("utf-8", "replace")
+            elif field == 5 and wire == _BYTES:
+                summary = kw.setdefault("summary", {})
+                for f, w, v in _fields(value):
+                    if f == 1 and w == _BYTES:
+                        tag, simple = "", None
+                        for vf, vw, vv in _fields(v):
+                            if vf == 1 and vw == _BYTES:
+                                tag = vv.decode("utf-8", "replace")
+                            elif vf == 2 and vw == _FIXED32:
+                                simple = struct.unpack("<f", vv)[0]
+                        summary[tag] = simple
+            elif field == 7 and wire == _BYTES:
+                kw["session_status"] = next((v for f, w, v in _fields(value) if f == 1 and w == _VARINT), 0)
+        return cls(**kw)
+
+
 # ----------------------------------------------------------------------------- the files
 
 def event_files(directory) -> list[Path]:
@@ -110,7 +229,7 @@ def event_files(directory) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.is_file() and PREFIX in p.name)
 
 
-def read_events(path, pb) -> tuple[list, int]:
+def read_events(path) -> tuple[list[tuple[int, Event]], int]:
     """([(offset, event), ...], the offset where the readable records end): the records of a
     TFRecord file up to the first one that is cut short or fails its checksums."""
     data = Path(path).read_bytes()
@@ -119,14 +238,14 @@ def read_events(path, pb) -> tuple[list, int]:
         header = data[pos:pos + 8]
         (n,) = struct.unpack("<Q", header)
         end = pos + 12 + n + 4
-        if struct.unpack("<I", data[pos + 8:pos + 12])[0] != pb.crc(header) or end > len(data):
+        if struct.unpack("<I", data[pos + 8:pos + 12])[0] != masked_crc32c(header) or end > len(data):
             break
         payload = data[pos + 12:pos + 12 + n]
-        if struct.unpack("<I", data[end - 4:end])[0] != pb.crc(payload):
+        if struct.unpack("<I", data[end - 4:end])[0] != masked_crc32c(payload):
             break
         try:
-            event = pb.Event.FromString(payload)
-        except Exception:   # noqa: BLE001 - a record that does not parse ends the readable part
+            event = Event.decode(payload)
+        except ValueError:   # a record that does not parse ends the readable part
             break
         out.append((pos, event))
         pos = end
@@ -136,15 +255,15 @@ def read_events(path, pb) -> tuple[list, int]:
 class EventFile:
     """One event file, appended record by record, each flushed (no fsync: as metrics.jsonl)."""
 
-    def __init__(self, path, pb):
-        self.path, self.pb = Path(path), pb
+    def __init__(self, path):
+        self.path = Path(path)
         self._file = open(self.path, "xb")   # never another life's file
 
-    def write(self, event) -> None:
-        data = event.SerializeToString()
+    def write(self, event: Event) -> None:
+        data = event.encode()
         header = struct.pack("<Q", len(data))
-        self._file.write(header + struct.pack("<I", self.pb.crc(header)) + data
-                         + struct.pack("<I", self.pb.crc(data)))
+        self._file.write(header + struct.pack("<I", masked_crc32c(header)) + data
+                         + struct.pack("<I", masked_crc32c(data)))
         self._file.flush()
 
     def close(self) -> None:
@@ -181,7 +300,7 @@ def set_aside(directory, log: Log) -> Optional[Path]:
     return dst
 
 
-def catch_up(directory, records: list[dict], pb) -> list[tuple[float, int, dict]]:
+def catch_up(directory, records: list[dict]) -> list[tuple[float, int, dict]]:
     """Cut the event files to the longest run of events that matches `records` (the log as
     resumed) and return what the files lack after it: (wall time, step, scalars) to write."""
     expected = []
@@ -192,12 +311,11 @@ def catch_up(directory, records: list[dict], pb) -> list[tuple[float, int, dict]
     i, cut, walls, last_wall = 0, None, {}, None
     files = event_files(directory)
     for fi, path in enumerate(files):
-        events, readable = read_events(path, pb)
+        events, readable = read_events(path)
         for offset, event in events:
-            if not event.HasField("summary"):   # the file version, a START: kept where they lie
+            if event.summary is None:   # the file version, a START: kept where they lie
                 continue
-            got = {v.tag: v.simple_value for v in event.summary.value}
-            if cut is None and i < len(expected) and (event.step, got) == expected[i]:
+            if cut is None and i < len(expected) and (event.step, event.summary) == expected[i]:
                 i += 1
                 last_wall = event.wall_time
                 continue
@@ -225,28 +343,27 @@ class TensorBoardLog:
     """The event files of a run: set aside (fresh) or caught up with the log (resumed: see
     the module's docstring), then one new file for this life."""
 
-    def __init__(self, directory, resume_step: Optional[int], records: list[dict], pb, log: Log):
-        self.directory, self.pb = Path(directory), pb
+    def __init__(self, directory, resume_step: Optional[int], records: list[dict], log: Log):
+        self.directory = Path(directory)
         self.path = self.directory
         if resume_step is None:
             set_aside(self.directory, log)
             backlog = []
         else:
-            backlog = catch_up(self.directory, records, pb)
+            backlog = catch_up(self.directory, records)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / new_file_name(self.directory)
-        self._file = EventFile(self.path, pb)
+        self._file = EventFile(self.path)
         now = time.time()
         first = 0 if resume_step is None else resume_step + 1
-        self._file.write(pb.Event(wall_time=now, step=first, file_version=FILE_VERSION))
+        self._file.write(Event(wall_time=now, step=first, file_version=FILE_VERSION))
         # TensorBoard purges at each START of a run but its first: every life writes one
-        self._file.write(pb.Event(wall_time=now, step=first, session_log={"status": "START"}))
+        self._file.write(Event(wall_time=now, step=first, session_status=START))
         for wall, step, values in backlog:
             self._write(wall, step, values)
 
     def _write(self, wall: float, step: int, values: dict) -> None:
-        summary = self.pb.Summary(value=[self.pb.Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
-        self._file.write(self.pb.Event(wall_time=wall, step=step, summary=summary))
+        self._file.write(Event(wall_time=wall, step=step, summary=values))
 
     def write(self, record: dict) -> None:
         step, values = _step(record), scalars(record)
@@ -255,8 +372,3 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self._file.close()
-
-
-def missing_note(why: str) -> str:
-    return (f"note: tensorboardX {why}: no TensorBoard event files this run ({INSTALL} adds them, "
-            "and the next start writes the whole history; tensorboard=false silences this)")
