@@ -24,6 +24,14 @@ def x64():
         yield
 
 
+# The kernels compared jitted: one compiled program a call, where op by op each of their
+# operations would compile on its own (hundreds a test).
+linear_attention = jax.jit(A.linear_attention, static_argnames=("block_size", "one_block_axis"))
+linear_attention_reference = jax.jit(A.linear_attention_reference)
+moe_capacity = jax.jit(M.moe_capacity, static_argnames="capacity")
+moe_exact = jax.jit(M.moe_exact)
+
+
 def _attn_inputs(key, B=3, C=21, dH=5, reset=None):
     ks = jax.random.split(key, 5)
     qf = A.elu1(jax.random.normal(ks[0], (B, C, dH), jnp.float64))
@@ -50,13 +58,13 @@ def _resets(B, C, block):
 def test_chunkwise_attention_equals_position_scan(block):
     B, C = 3, 21
     inputs = _attn_inputs(jax.random.PRNGKey(0), B, C, reset=_resets(B, C, 4))
-    y_ref, S_ref, z_ref = A.linear_attention_reference(*inputs)
-    y, S, z = A.linear_attention(*inputs, block_size=block)
+    y_ref, S_ref, z_ref = linear_attention_reference(*inputs)
+    y, S, z = linear_attention(*inputs, block_size=block)
     # the CPU form (no block axis for one block, block 64 > C) computes the same
-    for got, want in zip(A.linear_attention(*inputs, block_size=block, one_block_axis=False), (y, S, z)):
+    for got, want in zip(linear_attention(*inputs, block_size=block, one_block_axis=False), (y, S, z)):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     # The test can fail: the resets change the outputs they should change.
-    y_noreset, _, _ = A.linear_attention_reference(*inputs[:5], jnp.zeros((B, C), bool))
+    y_noreset, _, _ = linear_attention_reference(*inputs[:5], jnp.zeros((B, C), bool))
     assert float(jnp.abs(y_noreset - y_ref).max()) > 1e-3
     np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(S, S_ref, rtol=1e-12, atol=1e-12)
@@ -67,8 +75,8 @@ def test_attention_reset_isolates_rows_and_drops_carry():
     B, C = 3, 12
     r = jnp.zeros((B, C), bool).at[0, 5].set(True)
     qf, kf, v, S0, z0, _ = _attn_inputs(jax.random.PRNGKey(1), B, C)
-    y, _, _ = A.linear_attention(qf, kf, v, S0, z0, r, block_size=4)
-    y2, _, _ = A.linear_attention(qf, kf, v, S0 * 3.0, z0 * 3.0, r, block_size=4)
+    y, _, _ = linear_attention(qf, kf, v, S0, z0, r, block_size=4)
+    y2, _, _ = linear_attention(qf, kf, v, S0 * 3.0, z0 * 3.0, r, block_size=4)
     # Row 0 after its reset no longer sees the carry; before it, and other rows, do.
     np.testing.assert_allclose(y[0, 5:], y2[0, 5:], rtol=1e-12)
     assert float(jnp.abs(y[0, :5] - y2[0, :5]).max()) > 1e-6
@@ -78,7 +86,7 @@ def test_attention_reset_isolates_rows_and_drops_carry():
 def test_attention_gradients():
     inputs = _attn_inputs(jax.random.PRNGKey(2), 2, 9, 3, reset=jnp.zeros((2, 9), bool).at[0, 4].set(True))
     f = lambda q, k, v, S, z: A.linear_attention(q, k, v, S, z, inputs[5], block_size=4)  # noqa: E731
-    check_grads(f, inputs[:5], order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+    check_grads(jax.jit(f), inputs[:5], order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
     g_fast = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)[0])), argnums=(0, 1, 2, 3, 4)))(*inputs[:5])
     g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(A.linear_attention_reference(*a, inputs[5])[0])),
                              argnums=(0, 1, 2, 3, 4)))(*inputs[:5])
@@ -119,8 +127,8 @@ def test_capacity_moe_equals_exact_without_overflow():
     E = f["b2"].shape[0]
     cap = M.expert_capacity(T, E, K, E / K)
     assert cap == T
-    y_cap, kept = M.moe_capacity(x, idx, w, f, cap)
-    y_ref = M.moe_exact(x, idx, w, f)
+    y_cap, kept = moe_capacity(x, idx, w, f, cap)
+    y_ref = moe_exact(x, idx, w, f)
     assert bool(kept.all())
     assert float(jnp.abs(y_ref).max()) > 1e-3
     np.testing.assert_allclose(y_cap, y_ref, rtol=1e-12, atol=1e-12)
@@ -135,7 +143,7 @@ def test_capacity_overflow_drops_later_assignments():
     T, K = idx.shape
     E = f["b2"].shape[0]
     cap = 3
-    y_cap, kept = M.moe_capacity(x, idx, w, f, cap)
+    y_cap, kept = moe_capacity(x, idx, w, f, cap)
     # The drop rule written as a plain loop: first choices in token order, then seconds.
     load = np.zeros(E, int)
     want_kept = np.zeros((T, K), bool)
@@ -149,7 +157,7 @@ def test_capacity_overflow_drops_later_assignments():
     np.testing.assert_array_equal(np.asarray(kept), want_kept)
     # Dropped assignments contribute zero and the other weight is not renormalised.
     w_kept = jnp.where(jnp.asarray(want_kept), w, 0.0)
-    np.testing.assert_allclose(y_cap, M.moe_exact(x, idx, w_kept, f), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(y_cap, moe_exact(x, idx, w_kept, f), rtol=1e-12, atol=1e-12)
     keep_rate = float(kept.mean())
     assert keep_rate == pytest.approx(want_kept.sum() / (T * K))
 
@@ -179,7 +187,8 @@ def test_kuramoto_wraps_and_differentiates():
     assert float(theta.min()) >= 0.0 and float(theta.max()) < 2 * np.pi
     assert float(jnp.abs(theta - theta0).max()) > 1e-3
     # Away from the wrap point the mod has slope 1, so finite differences hold.
-    check_grads(lambda o, u, l: run(o, u, l, theta0), (omega, U, lam), order=1, modes=["rev"], atol=1e-5, rtol=1e-5)
+    check_grads(jax.jit(lambda o, u, l: run(o, u, l, theta0)), (omega, U, lam), order=1, modes=["rev"], atol=1e-5,
+                rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype, bound", [(np.float64, 4e-16), (np.float32, 1.2e-7)])
@@ -212,10 +221,11 @@ def test_chunked_ce_equals_full_softmax():
     W = jax.random.normal(ks[1], (11, 5), jnp.float64)
     t = jax.random.randint(ks[2], (3, 7), 0, 11)
     full = lambda h, W: jnp.mean(jax.nn.logsumexp(h @ W.T, -1) - jnp.take_along_axis(h @ W.T, t[..., None], -1)[..., 0])  # noqa: E731
+    loss_and_grads = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, W)  # noqa: E731
+    want, gb = loss_and_grads(full)
     for chunk in (1, 4, 21, 100):
-        np.testing.assert_allclose(chunked_cross_entropy(h, W, t, chunk), full(h, W), rtol=1e-12)
-        ga = jax.grad(lambda h, W: chunked_cross_entropy(h, W, t, chunk), argnums=(0, 1))(h, W)
-        gb = jax.grad(full, argnums=(0, 1))(h, W)
+        got, ga = loss_and_grads(lambda h, W: chunked_cross_entropy(h, W, t, chunk))
+        np.testing.assert_allclose(got, want, rtol=1e-12)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-14), ga, gb)
 
 
@@ -223,13 +233,13 @@ def test_capacity_groups_are_independent():
     x1, idx1, w1, f = _moe_setup(jax.random.PRNGKey(8), T=24)
     x2, idx2, w2, _ = _moe_setup(jax.random.PRNGKey(9), T=24)
     cap = 3
-    y, kept = M.moe_capacity(jnp.stack([x1, x2]), jnp.stack([idx1, idx2]), jnp.stack([w1, w2]), f, cap)
+    y, kept = moe_capacity(jnp.stack([x1, x2]), jnp.stack([idx1, idx2]), jnp.stack([w1, w2]), f, cap)
     for g, (x, idx, w) in enumerate(((x1, idx1, w1), (x2, idx2, w2))):
-        y_g, kept_g = M.moe_capacity(x, idx, w, f, cap)
+        y_g, kept_g = moe_capacity(x, idx, w, f, cap)
         np.testing.assert_array_equal(np.asarray(kept[g]), np.asarray(kept_g))
         np.testing.assert_allclose(y[g], y_g, rtol=1e-12, atol=1e-12)
     # Counted per group: one group of all 48 tokens would keep a different set.
-    _, kept_one = M.moe_capacity(jnp.concatenate([x1, x2]), jnp.concatenate([idx1, idx2]),
+    _, kept_one = moe_capacity(jnp.concatenate([x1, x2]), jnp.concatenate([idx1, idx2]),
                                  jnp.concatenate([w1, w2]), f, cap)
     assert not np.array_equal(np.asarray(kept_one), np.asarray(kept).reshape(48, -1))
 
