@@ -3,8 +3,9 @@ import json
 
 import pytest
 
-from fractus_jax import hostmem
+from fractus_jax import config, hostmem
 from fractus_jax.bench.__main__ import main
+from fractus_jax.bench.train import dispatch_choices
 
 
 def test_attention_bench_reports_json(capsys):
@@ -170,3 +171,10 @@ def test_profile_counts_a_loop_body_once_not_its_loop_too():
     assert "other" not in r["components"]                    # the loop itself is not counted
     assert r["span_ms_per_step"] == pytest.approx(0.080)     # from 10 to 90 µs
     assert sorted(r["threads_busy"]) == pytest.approx([0.75, 70 / 80])
+
+
+def test_dispatch_choices_that_are_one_setting_are_timed_once():
+    assert list(dispatch_choices(config.tiny())) == ["dropless (config)", "cf=E/K = cf=4", "cf=1.25"]   # E/K = 4
+    assert list(dispatch_choices(config.tiny(n_experts=16))) == ["dropless (config)", "cf=E/K", "cf=4", "cf=1.25"]
+    assert dispatch_choices(config.tiny(capacity_factor=1.25)) == {
+        "cf=1.25 (config)": {}, "dropless": {"capacity_factor": None}, "cf=E/K = cf=4": {"capacity_factor": 4.0}}

@@ -176,10 +176,15 @@ def run(cfg, steps: int = 10, warmup: int = 2, with_torch: bool = False) -> dict
 def dispatch_choices(model) -> dict:
     """The MoE dispatch choices compared by `--dispatch`, as engine-config changes: the
     config's own first, then dropless (expert blocks), the capacity path at
-    cf = E/K (the same routing, padded) and the dropping cf = 4 and 1.25."""
+    cf = E/K (the same routing, padded) and the dropping cf = 4 and 1.25. Choices that are
+    one setting (cf = E/K = 4 where E/K is 4) are one entry, named by both, timed once."""
     choices = {"dropless": dict(capacity_factor=None),
                "cf=E/K": dict(capacity_factor=model.n_experts / model.top_k),
                "cf=4": dict(capacity_factor=4.0), "cf=1.25": dict(capacity_factor=1.25)}
+    names: dict[tuple, list[str]] = {}
+    for name, change in choices.items():
+        names.setdefault(tuple(change.items()), []).append(name)
+    choices = {" = ".join(same): dict(change) for change, same in names.items()}
 
     def is_own(change):
         return all(getattr(model, k) == v for k, v in change.items())
