@@ -240,7 +240,7 @@ def test_capacity_groups_are_independent():
         np.testing.assert_allclose(y[g], y_g, rtol=1e-12, atol=1e-12)
     # Counted per group: one group of all 48 tokens would keep a different set.
     _, kept_one = moe_capacity(jnp.concatenate([x1, x2]), jnp.concatenate([idx1, idx2]),
-                                 jnp.concatenate([w1, w2]), f, cap)
+                               jnp.concatenate([w1, w2]), f, cap)
     assert not np.array_equal(np.asarray(kept_one), np.asarray(kept).reshape(48, -1))
 
 
