@@ -218,7 +218,7 @@ def test_the_event_records_are_tensorboards_protobufs_byte_for_byte():
         assert tboard.masked_crc32c(data) == masked_crc32c(data), n
     f32 = lambda x: float(np.float32(x))   # noqa: E731 - a scalar as the files hold it
     events = [tboard.Event(wall_time=1.7e9 + 0.25, file_version=tboard.FILE_VERSION),
-              tboard.Event(wall_time=1.7e9, step=5, session_status=tboard.START),
+              tboard.Event(wall_time=1.7e9, step=5, run_status=tboard.START),
               tboard.Event(wall_time=1.7e9, step=2**40 + 3,
                            summary={"ce_tf": 2.5, "skipped": 0.0, "lb_per_block/0": f32(-1.25e-7), "é": 3.0}),
               tboard.Event(wall_time=1.7e9, step=-3, summary={})]
@@ -226,8 +226,8 @@ def test_the_event_records_are_tensorboards_protobufs_byte_for_byte():
         pb = PbEvent(wall_time=e.wall_time, step=e.step)
         if e.file_version is not None:
             pb.file_version = e.file_version
-        if e.session_status is not None:
-            pb.session_log.status = e.session_status
+        if e.run_status is not None:
+            pb.session_log.status = e.run_status
         if e.summary is not None:
             pb.summary.SetInParent()
             for tag, v in e.summary.items():

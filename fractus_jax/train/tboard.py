@@ -26,9 +26,9 @@ finds a prefix of the log's records, and the rest follows.
 The writer is this module: TensorBoard's record framing (a TFRecord: length, masked CRC-32C
 of the length, the record, masked CRC-32C of the record) and the few protobuf fields of an
 Event it writes and reads (wall_time, step, file_version, summary's tag/simple_value pairs,
-session_log's status), encoded by hand, so a run needs no library for its curves and starts
-without one's import. Each record is written synchronously and flushed: a kill loses no
-queued events, and a write error is the run's error, like one of the log's.
+the run-start record's status), encoded by hand, so a run needs no library for its curves
+and starts without one's import. Each record is written synchronously and flushed: a kill
+loses no queued events, and a write error is the run's error, like one of the log's.
 """
 from __future__ import annotations
 
@@ -106,9 +106,9 @@ def masked_crc32c(data: bytes) -> int:
 
 # The protobuf fields written and read (tensorboard's event.proto and summary.proto):
 #   Event: wall_time = 1 (double), step = 2 (int64), file_version = 3 (string),
-#          summary = 5 (Summary), session_log = 7 (SessionLog)
+#          summary = 5 (Summary), the run status = 7 (a message of one field)
 #   Summary: value = 1 (repeated Value);  Value: tag = 1 (string), simple_value = 2 (float)
-#   SessionLog: status = 1 (enum; START = 1)
+#   the run status: status = 1 (enum; START = 1)
 _VARINT, _FIXED64, _BYTES, _FIXED32 = 0, 1, 2, 5
 START = 1
 
@@ -172,7 +172,7 @@ class Event:
     step: int = 0
     file_version: Optional[str] = None
     summary: Optional[dict[str, float]] = None
-    session_status: Optional[int] = None
+    run_status: Optional[int] = None
 
     def encode(self) -> bytes:
         """The Event's protobuf bytes (proto3: wall_time and step left out at zero)."""
@@ -187,8 +187,8 @@ class Event:
             out += _message(5, b"".join(
                 _message(1, _message(1, tag.encode()) + _key(2, _FIXED32) + struct.pack("<f", v))
                 for tag, v in self.summary.items()))
-        if self.session_status is not None:
-            out += _message(7, _key(1, _VARINT) + _varint(self.session_status) if self.session_status else b"")
+        if self.run_status is not None:
+            out += _message(7, _key(1, _VARINT) + _varint(self.run_status) if self.run_status else b"")
         return out
 
     @classmethod
@@ -215,7 +215,7 @@ class Event:
                                 simple = struct.unpack("<f", vv)[0]
                         summary[tag] = simple
             elif field == 7 and wire == _BYTES:
-                kw["session_status"] = next((v for f, w, v in _fields(value) if f == 1 and w == _VARINT), 0)
+                kw["run_status"] = next((v for f, w, v in _fields(value) if f == 1 and w == _VARINT), 0)
         return cls(**kw)
 
 
@@ -358,7 +358,7 @@ class TensorBoardLog:
         first = 0 if resume_step is None else resume_step + 1
         self._file.write(Event(wall_time=now, step=first, file_version=FILE_VERSION))
         # TensorBoard purges at each START of a run but its first: every life writes one
-        self._file.write(Event(wall_time=now, step=first, session_status=START))
+        self._file.write(Event(wall_time=now, step=first, run_status=START))
         for wall, step, values in backlog:
             self._write(wall, step, values)
 
