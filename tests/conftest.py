@@ -49,17 +49,20 @@ os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("FRACTUS_TEST_SUBPROCESS_XLA_FLAGS",
                       " ".join(f for f in _flags.split() if not f.startswith(DEVICE_COUNT_FLAG)))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# A persistent compilation cache, read and written by the test processes and the CLI
-# subprocesses they start (they inherit it through the environment): a program that several
-# tests compile (the same step, another run directory) is compiled once per machine. One
-# cache per pytest-xdist worker (the workers inherit the controller's environment, so it is
-# set, not defaulted): JAX writes an entry in place, and another process could read it half
-# written. (Test processes writing into it crashed in jaxlib's serialisation late in full
-# runs before _release_compiled_programs below kept each process under the kernel's
-# memory-map limit; with it, full runs pass with the cache on.)
-_XLA_CACHE = os.environ.setdefault("FRACTUS_TEST_XLA_CACHE",
-                                   os.path.join(tempfile.gettempdir(), "fractus_jax_test_xla_cache"))
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_XLA_CACHE, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+# A persistent compilation cache, read and written by the test processes (both pytest-xdist
+# workers) and the CLI subprocesses they start (they inherit it through the environment): a
+# program that several tests compile (the same step, another run directory, another worker)
+# is compiled once per machine. Processes share it safely because it has a size limit: JAX
+# then takes a file lock around each read and write (jax._src.lru_cache), so no process
+# reads an entry half written. The key leaves out the cache's directory (JAX puts it in the
+# GPU autotuning options of every key unless that cache is off, and these are CPU programs).
+# (Test processes writing into it crashed in jaxlib's serialisation late in full runs before
+# _release_compiled_programs below kept each process under the kernel's memory-map limit;
+# with it, full runs pass with the cache on.)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ.setdefault(
+    "FRACTUS_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), "fractus_jax_test_xla_cache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 << 30))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES", "none")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 
 import jax  # noqa: E402
