@@ -30,13 +30,16 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/fractus_gpu_c
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/log.txt"; }
-# Every step's timeout is cut to what is left of BUDGET_S, so the whole script ends in time
-# and keeps what it has measured (a GPU rented for a fixed slot still returns results).
-# LIMIT_SCALE (default 1) multiplies every step's own limit, for a slower machine.
+# Every step's timeout is cut to what is left of BUDGET_S, and a step with no time left does
+# not start, so the whole script ends in time and keeps what it has measured (a GPU rented
+# for a fixed slot still returns results). LIMIT_SCALE (default 1) multiplies every step's
+# own limit, for a slower machine.
 end_at=$((SECONDS + ${BUDGET_S:-450}))
-limit_s() {
+within() {  # within LIMIT_S COMMAND...: the command under min(LIMIT_S * LIMIT_SCALE, time left)
   local left=$((end_at - SECONDS)) want=$(($1 * ${LIMIT_SCALE:-1}))
-  echo $(( left < want ? (left > 0 ? left : 1) : want ))
+  shift
+  if [ "$left" -le 0 ]; then echo "not started: BUDGET_S (${BUDGET_S:-450} s) is spent"; return 124; fi
+  timeout $(( left < want ? left : want )) "$@"
 }
 
 if python3 -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null \
@@ -62,7 +65,7 @@ last_json() { tail -n 1 "$1"; }
 limit=$(python3 -c "import json; print(json.load(open('$OUT/env.json'))['memory_bytes'] or 0)")
 best=""
 for batch in $BATCHES; do
-  timeout "$(limit_s 100)" python3 -m fractus_jax.plan --config "$CONFIG" --devices 1 --json --set batch_size=$batch \
+  within 100 python3 -m fractus_jax.plan --config "$CONFIG" --devices 1 --json --set batch_size=$batch \
       >"$RAW/plan_b$batch.txt" 2>&1 || { log "plan at batch $batch failed: $(tail -n 2 "$RAW/plan_b$batch.txt")"; continue; }
   last_json "$RAW/plan_b$batch.txt" >>"$OUT/plans.jsonl"
   total=$(last_json "$RAW/plan_b$batch.txt" | python3 -c "import json, sys; print(json.load(sys.stdin)['per_device']['total_bytes'])")
@@ -74,22 +77,22 @@ best=${best:-${BATCHES##* }}
 # execution.kernels is left at "auto": the plain forms on a GPU (the CPU-tuned ones only run on a
 # CPU backend, docs/engine.md); train.json's "kernels" says which ran.
 log "bench train $CONFIG at batch $best"
-timeout "$(limit_s 200)" python3 -m fractus_jax.bench train --config "$CONFIG" --set batch_size=$best --steps "$STEPS" --json \
+within 200 python3 -m fractus_jax.bench train --config "$CONFIG" --set batch_size=$best --steps "$STEPS" --json \
   >"$RAW/train_b$best.txt" 2>&1 && last_json "$RAW/train_b$best.txt" >"$OUT/train.json"
 log "train: $(tail -n 4 "$RAW/train_b$best.txt" | head -n 3 | tr '\n' ' ')"
 
-timeout "$(limit_s 150)" python3 -m fractus_jax.bench profile --config "$CONFIG" --set batch_size=$best --steps 2 --json \
+within 150 python3 -m fractus_jax.bench profile --config "$CONFIG" --set batch_size=$best --steps 2 --json \
   >"$RAW/profile_b$best.txt" 2>&1 && last_json "$RAW/profile_b$best.txt" >"$OUT/profile.json"
 log "profile: $(grep -m 1 '^op time' "$RAW/profile_b$best.txt")"
 
 impl_flags=""
 for impl in $ATTN_IMPLS; do impl_flags="$impl_flags --impl $impl"; done
 # shellcheck disable=SC2086  # one flag per word
-timeout "$(limit_s 90)" python3 -m fractus_jax.bench attention --batch "$ATTN_BATCH" $impl_flags --json >"$RAW/attention.txt" 2>&1 \
+within 90 python3 -m fractus_jax.bench attention --batch "$ATTN_BATCH" $impl_flags --json >"$RAW/attention.txt" 2>&1 \
   && last_json "$RAW/attention.txt" >"$OUT/attention.json"
 log "attention: $(last_json "$RAW/attention.txt")"
 
-timeout "$(limit_s 120)" python3 -m fractus_jax.bench train --config "$DISPATCH_CONFIG" --set execution.row_streams=1 \
+within 120 python3 -m fractus_jax.bench train --config "$DISPATCH_CONFIG" --set execution.row_streams=1 \
     --steps 3 --dispatch --json >"$RAW/dispatch.txt" 2>&1 \
   && last_json "$RAW/dispatch.txt" | python3 -c "import json, sys; print(json.dumps(json.load(sys.stdin)['dispatch']))" \
     >"$OUT/dispatch.json"

@@ -59,8 +59,8 @@ def test_gpu_check_runs_end_to_end_on_a_cpu_with_the_tiny_config(tmp_path):
 
 
 def test_gpu_check_keeps_to_its_time_budget(tmp_path):
-    """With no time left every step is cut short, and the script still ends cleanly with
-    what it has: the environment, the log and the raw outputs."""
+    """With no time left no step after the environment's starts, and the script still ends
+    cleanly with what it has: the environment, the log and the raw outputs."""
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "CONFIG": "tiny", "BATCHES": "4", "BUDGET_S": "0",
            "GPU_CHECK_INSTALL": "0", "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
@@ -69,7 +69,8 @@ def test_gpu_check_keeps_to_its_time_budget(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     files = {p.name for p in out.iterdir()}
     assert {"env.json", "log.txt", "raw.tgz"} <= files
-    assert "train.json" not in files and "profile.json" not in files   # cut at 1 s: no result
+    assert "train.json" not in files and "profile.json" not in files
+    assert "plan at batch 4 failed: not started: BUDGET_S (0 s) is spent" in (out / "log.txt").read_text()
 
 
 def _plot_module():
