@@ -538,6 +538,47 @@ def loop_summary(argv, workdir):
     return outputs_summary(args, argv, cfg, ckpt_lib.read_manifest(workdir))
 
 
+def _off_default(name, value):
+    """Another valid value of a TrainConfig field than its default."""
+    if name == "mesh":
+        return cfg_lib.MeshConfig(data=2, fsdp=4)
+    if name == "grow":
+        return cfg_lib.GrowConfig(add_layers=1)
+    if value is None:
+        return 5
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + (3 if isinstance(value, int) else 0.5)
+    if isinstance(value, str):
+        return value + "x"
+    raise AssertionError(f"the test has no other value for {name}={value!r}: add one")
+
+
+def test_configs_apart_in_run_fields_share_one_step_that_reads_none_of_them(corpus_file):
+    """The trainer keeps one step function and one initialisation per `for_programs()`,
+    RUN_FIELDS at their defaults. That is sound only if neither reads a run field: built
+    from a config whose every run field is off its default, each traces to the same jaxpr
+    (the test fails on a step that starts reading one)."""
+    import dataclasses
+    import functools
+
+    cfg = tiny(corpus_file)
+    assert cfg.corpus and cfg.max_steps != cfg_lib.TrainConfig.max_steps   # off the defaults already
+    changed = dataclasses.replace(cfg, **{f.name: _off_default(f.name, f.default)
+                                          for f in dataclasses.fields(cfg) if f.name in cfg_lib.RUN_FIELDS})
+    assert all(getattr(changed, name) != getattr(cfg, name) for name in cfg_lib.RUN_FIELDS)
+    assert step_lib.make_train_step(changed) is step_lib.make_train_step(cfg)
+
+    state = state_lib.abstract_train_state(cfg)
+    batch = {"ids": jax.ShapeDtypeStruct((cfg.accum, cfg.batch_size, cfg.seq_len + 1), jnp.int32)}
+    built = [str(jax.make_jaxpr(step_lib._make_train_step(c))(state, batch)) for c in (changed, cfg.for_programs())]
+    assert built[0] == built[1]
+    key = jax.random.PRNGKey(0)
+    inits = [str(jax.make_jaxpr(functools.partial(state_lib._init, c))(key)) for c in (changed, cfg.for_programs())]
+    assert inits[0] == inits[1]
+
+
 def test_the_train_step_traces_once_per_run_over_many_steps_and_a_resume(corpus_file, tmp_path, monkeypatch):
     """chex.assert_max_traces on the trainer's step function: 8 steps with saves and
     logging trace it once; the run resumed to 14 steps (a config with another max_steps:

@@ -26,6 +26,12 @@ class ConfigError(ValueError):
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
+# What a run does around its step: where its data comes from; when it logs, evaluates,
+# saves, grows or stops; its mesh (the jitted programs take their shardings as arguments).
+# No function the trainer compiles reads these fields (TrainConfig.for_programs).
+RUN_FIELDS = ("max_steps", "corpus", "val_fraction", "val_corpus", "eval_every", "val_ids", "val_lanes",
+              "start_token", "log_every", "tensorboard", "save_every", "save_every_minutes", "keep_checkpoints",
+              "max_skipped_steps", "probe_every", "deadline", "init_from", "mesh", "grow_at", "grow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +185,14 @@ class TrainConfig:
         many ids, the step's accum chunks read one after another from a fresh carry
         (docs/generation.md, window mode); None when the carry ran across steps."""
         return self.accum * self.seq_len if self.carry_reset_every == 1 or self.carry_reset_prob >= 1.0 else None
+
+    def for_programs(self) -> "TrainConfig":
+        """This config with RUN_FIELDS at their defaults: what the train step and the state's
+        initialisation are built from (train/step.py, train/state.py), one function per
+        result, so that configs apart only in RUN_FIELDS (a resume, a longer run, another
+        run directory in the same process) trace and compile those programs once."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in RUN_FIELDS}
+        return dataclasses.replace(self, **defaults)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -130,7 +130,7 @@ def _init_fn(cfg: TrainConfig):
 
 def create_train_state(cfg: TrainConfig, mesh, key):
     shardings = train_state_shardings(cfg, mesh)
-    return jax.jit(_init_fn(cfg), out_shardings=shardings)(key), shardings
+    return jax.jit(_init_fn(cfg.for_programs()), out_shardings=shardings)(key), shardings
 
 
 def with_params(cfg: TrainConfig, state, params):

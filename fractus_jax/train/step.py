@@ -150,10 +150,15 @@ def reset_rows(cfg: TrainConfig, step, key):
     return rows
 
 
-@functools.lru_cache(maxsize=8)
 def make_train_step(cfg: TrainConfig):
-    """step(state, batch) → (state, metrics); batch = {"ids": (A, B, C+1)[, "feats": (A, B, C, F)]}."""
+    """step(state, batch) → (state, metrics); batch = {"ids": (A, B, C+1)[, "feats": (A, B, C, F)]}.
 
+    One function per `cfg.for_programs()`: the step reads none of the run's other fields."""
+    return _make_train_step(cfg.for_programs())
+
+
+@functools.lru_cache(maxsize=8)
+def _make_train_step(cfg: TrainConfig):
     def step(state, batch):
         params, opt_state, carry0 = state["params"], state["opt_state"], state["carry"]
         tx = make_optimizer(cfg, params)
@@ -220,8 +225,8 @@ def abstract_batch(cfg: TrainConfig, shardings: dict) -> dict:
 def jit_train_step(cfg: TrainConfig, state_shardings, batch_shardings):
     """The step jitted with its shardings and the state donated (updated in place).
 
-    make_train_step is memoised on the (hashable) config, so a second trainer in the
-    same process with the same config reuses the compiled step instead of recompiling.
+    make_train_step is memoised on the config's `for_programs()`, so a second trainer in
+    the same process with that config reuses the compiled step instead of recompiling.
     """
     return jax.jit(make_train_step(cfg), in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, None), donate_argnums=(0,))
