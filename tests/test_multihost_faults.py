@@ -84,6 +84,9 @@ def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, ar
     else:
         env["JAX_ENABLE_COMPILATION_CACHE"] = "true"
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+        # every program, however quick to compile (the state's initialisation, the metrics'
+        # reductions): each launch after warm_run compiles nothing
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     port = _free_port()
     sets = [f"--set={o}" for o in [f"corpus={corpus_file}", *RUN, *overrides]]
     procs = []
