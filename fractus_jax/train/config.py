@@ -188,9 +188,9 @@ class TrainConfig:
 
     def for_programs(self) -> "TrainConfig":
         """This config with RUN_FIELDS at their defaults: what the train step and the state's
-        initialisation are built from (train/step.py, train/state.py), one function per
-        result, so that configs apart only in RUN_FIELDS (a resume, a longer run, another
-        run directory in the same process) trace and compile those programs once."""
+        initialisation are built from (train/step.py, train/state.py), so that configs apart
+        only in RUN_FIELDS (a resume, a longer run, another run directory in the same
+        process) share those functions and trace and compile them once."""
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in RUN_FIELDS}
         return dataclasses.replace(self, **defaults)
 
