@@ -226,8 +226,8 @@ def test_the_event_records_are_tensorboards_protobufs_byte_for_byte():
         pb = PbEvent(wall_time=e.wall_time, step=e.step)
         if e.file_version is not None:
             pb.file_version = e.file_version
-        if e.run_status is not None:
-            pb.session_log.status = e.run_status
+        if e.run_status is not None:   # Event's field 7, as tboard writes it
+            getattr(pb, PbEvent.DESCRIPTOR.fields_by_number[7].name).status = e.run_status
         if e.summary is not None:
             pb.summary.SetInParent()
             for tag, v in e.summary.items():
