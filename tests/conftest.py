@@ -63,9 +63,17 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ.setdefault(
     "FRACTUS_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), "fractus_jax_test_xla_cache"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 << 30))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES", "none")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+# What is cached: every program of the processes the tests start (a CLI process compiles many
+# quick ones, the initialisation, the metrics, the probes: the next process loads them all
+# instead), and in the test processes themselves only programs that took 1 s or more to
+# compile (they also compile thousands of single operations, quicker to compile than to
+# write). A level set by the caller is kept for both.
+os.environ.setdefault("FRACTUS_TEST_MIN_COMPILE_SECS", os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
+
+jax.config.update("jax_persistent_cache_min_compile_time_secs", float(os.environ["FRACTUS_TEST_MIN_COMPILE_SECS"]))
 
 
 import pytest  # noqa: E402
