@@ -1,7 +1,7 @@
 """Test setup: 8 fake CPU devices (for the sharding tests) before JAX initialises, XLA:CPU
 code generation at -O0 with the elemental fusion emitters, and a persistent compilation cache
 for the test processes and the CLI subprocesses they start, so that each program is compiled
-once per machine (and per pytest-xdist worker: the README runs the suite on two).
+once per machine (the README's two pytest-xdist workers share it).
 
 No silent skips: the device-count flag is added to an XLA_FLAGS already set (one that names
 a count of its own keeps it); a test marked `devices(n)` fails on a CPU with fewer devices
