@@ -1,4 +1,7 @@
 """The trainer on the tiny config: resume, refusals, preemption, accumulation, skipping."""
+import dataclasses
+import functools
+import io
 import json
 import signal
 import subprocess
@@ -481,7 +484,6 @@ def test_a_refused_config_exits_2_with_one_error_line_and_no_note(tmp_path):
 
 
 def test_progress_bar_says_compiling_and_its_eta_starts_after_the_first_step(monkeypatch):
-    import io
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
     clock = [1000.0]
@@ -560,9 +562,6 @@ def test_configs_apart_in_run_fields_share_one_step_that_reads_none_of_them(corp
     RUN_FIELDS at their defaults. That is sound only if neither reads a run field: built
     from a config whose every run field is off its default, each traces to the same jaxpr
     (the test fails on a step that starts reading one)."""
-    import dataclasses
-    import functools
-
     cfg = tiny(corpus_file)
     assert cfg.corpus and cfg.max_steps != cfg_lib.TrainConfig.max_steps   # off the defaults already
     changed = dataclasses.replace(cfg, **{f.name: _off_default(f.name, f.default)
@@ -583,8 +582,6 @@ def test_the_train_step_traces_once_per_run_over_many_steps_and_a_resume(corpus_
     """chex.assert_max_traces on the trainer's step function: 8 steps with saves and
     logging trace it once; the run resumed to 14 steps (a config with another max_steps:
     a new program) traces it once more, and no more."""
-    import functools
-
     traced = []
     make = step_lib.make_train_step
 
