@@ -64,6 +64,13 @@ class EngineConfig:
     # function: a fixed number of rows, the same on any mesh (the trainer refuses a group
     # that does not divide the rows one device holds). Unused when dropless.
     moe_group_rows: int = 1
+    # ---- A carry that forgets (opt-in; docs/spec.md §3.1) ----
+    # None: the parent's recurrence S_t = S_{t-1} + φ(k_t)⊗v_t, an unbounded running sum.
+    # A tuple of one γ_l in (0, 1] per attention level: S_t = γ_l·S_{t-1} + φ_l(k_t)⊗v_t (z
+    # likewise), so level l's state is stationary past a horizon of about 1/(1−γ_l) ids.
+    # `decay_ladder` gives the golden-ratio ladder of horizons. The PyTorch trainers' engine
+    # does not compute it (an export says so); the reference engine does.
+    carry_decay: Optional[tuple[float, ...]] = None
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -76,15 +83,35 @@ class EngineConfig:
             raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
         if self.moe_group_rows < 0:
             raise ValueError(f"moe_group_rows must be >= 0 (0: the whole batch), got {self.moe_group_rows}")
+        if self.carry_decay is not None:
+            # A saved config gives a list, --set a string "0.9,0.96": kept as a tuple of floats (hashable).
+            raw = self.carry_decay
+            try:
+                decay = tuple(float(g) for g in (raw.split(",") if isinstance(raw, str) else raw))
+            except (TypeError, ValueError):
+                raise ValueError(f"carry_decay must be one number per attention level, got {raw!r}") from None
+            if len(decay) != self.n_levels:
+                raise ValueError(f"carry_decay has {len(decay)} values, the engine {self.n_levels} attention "
+                                 f"levels (n_levels): give one γ per level, e.g. "
+                                 f"{','.join(f'{g:.4g}' for g in decay_ladder(16, self.n_levels))}")
+            bad = [g for g in decay if not 0.0 < g <= 1.0]
+            if bad:
+                raise ValueError(f"carry_decay values must be in (0, 1] (1: no decay), got {bad[0]!r}")
+            object.__setattr__(self, "carry_decay", decay)
 
     @property
     def is_atom(self) -> bool:
         return self.variant == "atom"
 
     def torch_kwargs(self) -> dict[str, Any]:
-        """The PyTorch reference constructor's arguments (what an export's "config" holds)."""
+        """The PyTorch reference constructor's arguments (what an export's "config" holds):
+        the PyTorch trainers' engine's, and carry_decay when set (the reference engine
+        computes it; the trainers' engine does not know it)."""
         names = [f.name for f in dataclasses.fields(self)]
-        return {n: getattr(self, n) for n in names[: names.index("atom_feat_dim") + 1]}
+        out = {n: getattr(self, n) for n in names[: names.index("atom_feat_dim") + 1]}
+        if self.carry_decay is not None:
+            out["carry_decay"] = list(self.carry_decay)
+        return out
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -102,6 +129,16 @@ class EngineConfig:
         does not know and to fields the dict lacks). A PyTorch checkpoint's "config" carries
         keys of the PyTorch trainer and none of the JAX-side fields: read it with unknown="ignore"."""
         return cls(**field_values(cls, d, unknown, log, where))
+
+
+def decay_ladder(horizon: float, n_levels: int) -> tuple[float, ...]:
+    """EngineConfig.carry_decay as a golden-ratio ladder: level l forgets over a horizon of
+    horizon·φ^(2l) ids (γ_l = 1 − 1/horizon_l), the levels' feature offsets' ratio (φ^-2l)
+    turned into time scales."""
+    if horizon < 1:
+        raise ValueError(f"a decay horizon is at least 1 id, got {horizon!r}")
+    golden = (1.0 + 5.0 ** 0.5) / 2.0
+    return tuple(1.0 - 1.0 / (horizon * golden ** (2 * l)) for l in range(n_levels))
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")

@@ -176,15 +176,16 @@ def _dtypes(params: Params, ex: Execution):
 @jax.named_scope("attention")
 def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, ex: Execution, forms: select.Forms,
                mm_dtype):
-    """Causal linear attention at every level l (features elu1(· + ω_l)), mixed by
-    softmax(level_logits), with the carried (S, z) the levels' mean (docs/spec.md §3.1)."""
+    """Causal linear attention at every level l (features elu1(· + ω_l), carry decay γ_l when
+    cfg.carry_decay is set), mixed by softmax(level_logits), with the carried (S, z) the
+    levels' mean (docs/spec.md §3.1)."""
     B, C, D = x_BxCxD.shape
     acc = S_BxHxdxd.dtype
     w_Dx3xD, omega_L = p["w_qkv"].transpose(1, 0, 2), jax.lax.stop_gradient(p["level_offsets"])
     qf, kf, v_BxHxCxd = forms.qkv_features(x_BxCxD.astype(acc), w_Dx3xD, p["b_qkv"], omega_L, cfg.n_heads, mm_dtype)
     mix_L = jax.nn.softmax(p["level_logits"])
     a_BxHxCxd, S, z = forms.level_attention(qf, kf, v_BxHxCxd, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L,
-                                            ex.attn_block_size, forms.linear_attention)
+                                            ex.attn_block_size, forms.linear_attention, cfg.carry_decay)
     a_BxCxD = a_BxHxCxd.transpose(0, 2, 1, 3).reshape(B, C, D)
     return mixed.einsum("bcd,de->bce", a_BxCxD, p["w_out"], mm_dtype, acc) + p["b_out"], S, z
 

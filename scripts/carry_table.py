@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fractus_jax.config import decay_ladder
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
@@ -60,6 +61,11 @@ STUDY = ["optimizer=adamw", "lr=3e-3", "warmup_steps=50", *CONSTANT, "weight_dec
 def bptt(k: int) -> list[str]:
     """k chunks of each lane a step, the gradient through the carry across them."""
     return [f"accum={k}", f"bptt_chunks={k}"]
+
+
+def ladder(horizon: float) -> str:
+    """model.carry_decay as a golden-ratio ladder of horizons from `horizon` ids (2 levels)."""
+    return "model.carry_decay=" + ",".join(f"{g:.6g}" for g in decay_ladder(horizon, 2))
 
 
 # Each table: the lanes' shape (set on the base, so the bigram scores the same targets) and its rows.
@@ -99,8 +105,19 @@ TABLES = {
         ("reset p=0.25, K=1", [*bptt(1), "carry_reset_every=0", "carry_reset_prob=0.25"]),
         ("K=4, carry streamed", [*bptt(4), *NO_RESET]),
     ]),
+    # smoke's body on smoke's lanes, equal wall time per row (--minutes 20): the carry that
+    # forgets (model.carry_decay, a golden-ratio ladder of horizons) against the restart recipe
+    "carry": (["batch_size=64", "seq_len=16", *STUDY], [
+        ("restart every chunk, K=1 (smoke's recipe)", [*bptt(1), *EVERY_STEP]),
+        ("carry streamed, K=1 (the PyTorch trainers')", [*bptt(1), *NO_RESET]),
+        ("decay ladder h=10, streamed, K=1", [*bptt(1), *NO_RESET, ladder(10)]),
+        ("decay ladder h=10, streamed, K=4", [*bptt(4), *NO_RESET, ladder(10)]),
+        ("decay ladder h=10, streamed, K=1, 64-id chunks", ["batch_size=16", "seq_len=64", *bptt(1), *NO_RESET,
+                                                             ladder(10)]),
+        ("decay ladder h=32, streamed, K=4", [*bptt(4), *NO_RESET, ladder(32)]),
+    ]),
 }
-TIMED = {"study"}   # tables whose rows get equal wall time (--minutes), not their own steps
+TIMED = {"study", "carry"}   # tables whose rows get equal wall time (--minutes), not their own steps
 
 
 def run_row(base: cfg_lib.TrainConfig, overrides: list[str], workdir: Path) -> dict:

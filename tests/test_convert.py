@@ -157,6 +157,45 @@ def test_export_loads_strictly_and_gives_the_jax_logits_on_the_next_chunk(traine
     assert np.abs(np.asarray(logits_0) - logits_t.numpy()).max() > 1e-3
 
 
+DECAY = "model.carry_decay=0.8,0.95"
+
+
+def test_a_decayed_run_exports_with_a_warning_and_imports_its_decay(corpus_file, tmp_path, capsys):
+    """A run with carry_decay: the export's config records it and the command says that the
+    PyTorch trainers' engine computes another function; the reference engine built from that
+    config gives the run's logits (and without the decay it does not); import takes the
+    file's decay, and refuses a config that sets another."""
+    cfg = tiny(corpus_file, DECAY, "max_steps=2")
+    train(cfg, tmp_path / "run")
+    assert cli(["export", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "d.pt")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: carry_decay=0.8,0.95 is set" in err and "PyTorch trainers' engine" in err, err
+    blob = torch.load(tmp_path / "d.pt", weights_only=True)
+    assert blob["config"]["carry_decay"] == [0.8, 0.95]
+
+    corpus = np.fromfile(corpus_file, "<u2")
+    ids = LaneReader(corpus, cfg.batch_size, cfg.seq_len).read(blob["start_token_next"])[0][0, :, :-1]
+    snap = run.load_run(tmp_path / "run", with_opt=False)
+    logits_j, _, _ = jax.jit(model.forward_chunk, static_argnums=3)(snap.params, snap.carry, ids, cfg.model)
+
+    def reference_logits(config):
+        ref = FractusEngine(**config)
+        ref.load_state_dict(blob["model_state"], strict=True)
+        with torch.no_grad():
+            return ref(torch.from_numpy(ids.astype(np.int64)))[0].numpy()
+
+    np.testing.assert_allclose(np.asarray(logits_j), reference_logits(blob["config"]), rtol=1e-4, atol=1e-4)
+    undecayed = {k: v for k, v in blob["config"].items() if k != "carry_decay"}
+    assert np.abs(np.asarray(logits_j) - reference_logits(undecayed)).max() > 1e-3
+
+    argv = ["import", "--pt", str(tmp_path / "d.pt"), "--config", "tiny", "--set", f"corpus={corpus_file}"]
+    assert cli([*argv, "--out", str(tmp_path / "back")]) == 0, capsys.readouterr().err
+    assert "computes the file's carry_decay [0.8, 0.95]" in capsys.readouterr().err
+    assert ckpt_lib.read_manifest(tmp_path / "back")["config"]["model"]["carry_decay"] == [0.8, 0.95]
+    _refused(capsys, [*argv, "--out", str(tmp_path / "other"), "--set", "model.carry_decay=0.9,0.95"],
+             tmp_path / "other", "the file's carry_decay is [0.8, 0.95]", "--set model.carry_decay=0.8,0.95")
+
+
 # What the training loss never reaches (no features fed): PyTorch's optimizers skip them, and so does the trainer.
 UNREACHED = {"confidence_head.weight", "confidence_head.bias", "salience_head.weight", "salience_head.bias",
              "atom_feat.weight", "atom_feat.bias"}

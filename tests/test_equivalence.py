@@ -39,8 +39,11 @@ def _chunks(cfg, seed):
     return ids, feats, probe
 
 
-def _torch_engine(cfg, params, state, dtype):
-    ref = FractusEngine(**cfg.torch_kwargs()).to(dtype)
+def _torch_engine(cfg, params, state, dtype, decay="as cfg"):
+    kwargs = cfg.torch_kwargs()
+    if decay != "as cfg":
+        kwargs["carry_decay"] = decay
+    ref = FractusEngine(**kwargs).to(dtype)
     sd = {**convert.params_to_torch(params, cfg), **convert.state_to_torch(state, cfg)}
     tensors = {k: torch.from_numpy(np.array(v)).to(dtype) for k, v in sd.items()}
     # The tied head must stay one tensor: load observe.weight only through itself.
@@ -62,13 +65,13 @@ def _capture_routes(ref, cfg):
     return routes
 
 
-def _run_both(cfg, dtype_name, seed=0, ex=config.TINY_EXECUTION):
+def _run_both(cfg, dtype_name, seed=0, ex=config.TINY_EXECUTION, torch_decay="as cfg"):
     jdtype = jnp.float64 if dtype_name == "float64" else jnp.float32
     tdtype = torch.float64 if dtype_name == "float64" else torch.float32
     params = fj.init_params(cfg, jax.random.PRNGKey(seed), jdtype)
     params = move_off_init(params, jax.random.PRNGKey(seed + 100))
     state = fj.init_state(cfg, B, jdtype)
-    ref = _torch_engine(cfg, params, state, tdtype)
+    ref = _torch_engine(cfg, params, state, tdtype, torch_decay)
     routes_t = _capture_routes(ref, cfg)
     ids, feats, probe = _chunks(cfg, seed)
 
@@ -116,11 +119,20 @@ def _assert_not_trivial(out):
         assert np.abs(c["logits"][0]).max() > 1e-3 and c["lb"][0] > 0
 
 
-@pytest.mark.parametrize("variant", ["atom", "parent"])
+@pytest.mark.parametrize("variant", ["atom", "parent", "atom, carry decay"])
 def test_float64_forward_state_and_gradients_match(variant):
-    cfg = config.tiny(variant=variant, capacity_factor=None, bos_id=config.ATOM_BOS if variant == "atom" else None)
+    """The engines in float64 over three chunks; "carry decay": the carry that forgets
+    (carry_decay, one γ per level), which the reference engine computes from its config."""
+    decay = (0.8, 0.95) if "decay" in variant else None
+    variant = variant.split(",")[0]
+    cfg = config.tiny(variant=variant, capacity_factor=None, bos_id=config.ATOM_BOS if variant == "atom" else None,
+                      carry_decay=decay)
     with jax.enable_x64(True):
         out = _run_both(cfg, "float64", ex=config.Execution(attn_block_size=4))
+        if decay is not None:
+            # The comparison can fail: the reference without the decay computes another function.
+            undecayed = _run_both(cfg, "float64", ex=config.Execution(attn_block_size=4), torch_decay=None)
+            assert np.abs(undecayed[2]["logits"][0] - undecayed[2]["logits"][1]).max() > 1e-3
     _assert_not_trivial(out)
     worst = dict.fromkeys(("logits", "state", "phases", "gradients"), 0.0)
     for c, chunk in enumerate(out):

@@ -102,6 +102,90 @@ def test_attention_is_causal():
     assert float(jnp.abs(jac[..., t + 1:, :]).max()) == 0.0
 
 
+# ----------------------------------------------------------------------------- the carry that forgets
+
+DECAY = 0.85
+
+
+def _scan_per_position(qf, kf, v, S0, z0, reset, gamma):
+    """S_t = γ·[not reset_t]·S_{t-1} + k_t v_tᵀ by hand in numpy: the definition itself."""
+    qf, kf, v, S, z, reset = (np.asarray(a) for a in (qf, kf, v, S0, z0, reset))
+    S, z = S.copy(), z.copy()
+    ys = np.zeros_like(v)
+    for t in range(qf.shape[-2]):
+        keep = gamma * (~reset[..., t])
+        S = keep[..., None, None] * S + kf[..., t, :, None] * v[..., t, None, :]
+        z = keep[..., None] * z + kf[..., t, :]
+        ys[..., t, :] = np.einsum("...d,...de->...e", qf[..., t, :], S) / np.einsum("...d,...d->...", qf[..., t, :], z)[..., None]
+    return ys, S, z
+
+
+@pytest.mark.parametrize("block", [1, 4, 7, 64])
+def test_decayed_chunkwise_attention_equals_the_recurrence(block):
+    """Every form of the decayed kernel (blocks with a padded last one, one block with and
+    without its axis) against the position scan and a numpy loop of the definition: outputs
+    and the carry out, float64."""
+    B, C = 3, 21
+    inputs = _attn_inputs(jax.random.PRNGKey(0), B, C, reset=_resets(B, C, 4))
+    want = _scan_per_position(*inputs, DECAY)
+    scan = linear_attention_reference(*inputs, decay=DECAY)
+    for one_axis in (True, False):
+        got = linear_attention(*inputs, block_size=block, one_block_axis=one_axis, decay=DECAY)
+        for g, s, w in zip(got, scan, want, strict=True):
+            np.testing.assert_allclose(s, w, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+    # The test can fail: decay changes the outputs and the carry.
+    plain_sum = linear_attention(*inputs, block_size=block)
+    assert float(jnp.abs(plain_sum[0] - want[0]).max()) > 1e-2
+    assert float(jnp.abs(plain_sum[1] - want[1]).max()) > 1e-1
+
+
+def test_decay_one_is_the_running_sum_bit_for_bit():
+    inputs = _attn_inputs(jax.random.PRNGKey(4), 3, 21, reset=_resets(3, 21, 4))
+    for block in (4, 64):
+        want = linear_attention(*inputs, block_size=block)
+        got = linear_attention(*inputs, block_size=block, decay=1.0)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_decayed_carry_two_chunks_equal_one_chunk_of_twice_the_length():
+    C = 16
+    qf, kf, v, S0, z0, r = _attn_inputs(jax.random.PRNGKey(5), 3, 2 * C, reset=_resets(3, 2 * C, 4))
+    whole = linear_attention(qf, kf, v, S0, z0, r, block_size=4, decay=DECAY)
+    first = linear_attention(qf[:, :C], kf[:, :C], v[:, :C], S0, z0, r[:, :C], block_size=4, decay=DECAY)
+    second = linear_attention(qf[:, C:], kf[:, C:], v[:, C:], first[1], first[2], r[:, C:], block_size=4,
+                              decay=DECAY)
+    np.testing.assert_allclose(jnp.concatenate([first[0], second[0]], 1), whole[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(second[1], whole[1], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(second[2], whole[2], rtol=1e-12, atol=1e-12)
+
+
+def test_decay_per_leading_axis_and_its_gradients():
+    """One γ per slice of the leading axis (the engine's levels): each slice is its own
+    recurrence; gradients of every input equal the position scan's (and finite differences)."""
+    inputs = _attn_inputs(jax.random.PRNGKey(6), 2, 9, 3, reset=jnp.zeros((2, 9), bool).at[0, 4].set(True))
+    gammas = jnp.asarray([0.7, 0.95])
+    y, S, z = linear_attention(*inputs, block_size=4, decay=gammas)
+    for row, g in enumerate(gammas):
+        y_r, S_r, z_r = linear_attention(*(a[row:row + 1] for a in inputs), block_size=4, decay=float(g))
+        np.testing.assert_allclose(y[row:row + 1], y_r, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(S[row:row + 1], S_r, rtol=1e-12, atol=1e-12)
+    f = lambda q, k, v, S, z: A.linear_attention(q, k, v, S, z, inputs[5], block_size=4, decay=gammas)  # noqa: E731
+    check_grads(jax.jit(f), inputs[:5], order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+
+    def loss(fn):
+        return jax.jit(jax.grad(lambda *a: sum(jnp.sum(jnp.sin(o)) for o in fn(*a)), argnums=(0, 1, 2, 3, 4)))
+
+    g_fast = loss(f)(*inputs[:5])
+    g_ref = loss(lambda *a: A.linear_attention_reference(*a, inputs[5], decay=gammas))(*inputs[:5])
+    for a, b in zip(g_fast, g_ref, strict=True):
+        assert float(jnp.abs(b).max()) > 1e-3
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="broadcast"):
+        A.linear_attention(*inputs, block_size=4, decay=jnp.ones(3))
+
+
 def test_farey_phases():
     want = [0, 0.8378, 1.5708, 2.3562, 3.1416, 3.9270, 4.7124, 5.4454]
     np.testing.assert_allclose(M.farey_phases(8), want, atol=1e-4)
@@ -349,6 +433,10 @@ def _form_cases():
         # one block (64 > C), where the CPU form drops the block axis
         "linear_attention": ((qf[0], kf[0], v, S, z), (reset[:, None, :], 64)),
         "level_attention": ((qf, kf, v, S, z), (reset, jax.nn.softmax(rnd(L)), 5, plain.linear_attention)),
+        # the carry that forgets: one γ per level, a padded last block; one block without its axis
+        "level_attention, decayed": ((qf, kf, v, S, z), (reset, jax.nn.softmax(rnd(L)), 5, plain.linear_attention,
+                                                         (0.8, 0.95))),
+        "linear_attention, decayed": ((qf[0], kf[0], v, S, z), (reset[:, None, :], 64, 0.9)),
     }
 
 
@@ -357,11 +445,12 @@ def _outputs(out):
     return [jnp.stack(o) if isinstance(o, tuple) else o for o in (out if isinstance(out, tuple) else (out,))]
 
 
-@pytest.mark.parametrize("name", select.Forms._fields)
-def test_each_cpu_form_computes_its_plain_form_in_float64(name):
+@pytest.mark.parametrize("case", [*select.Forms._fields, "level_attention, decayed", "linear_attention, decayed"])
+def test_each_cpu_form_computes_its_plain_form_in_float64(case):
     """kernels/cpu.py form by form against kernels/plain.py: outputs and the gradient of
     every differentiable input in float64, and the two are different programs."""
-    diff, rest = _form_cases()[name]
+    diff, rest = _form_cases()[case]
+    name = case.split(",")[0]
     forms = {"plain": select.PLAIN, "cpu": select.CPU}
 
     def outputs(side, *a):

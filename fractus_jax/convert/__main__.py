@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     try:
         from fractus_jax.convert import run   # needs torch: a missing one is answered below
         if args.command == "export":
-            for path in run.export_run(args.ckpt, args.out, opt=args.opt, hub=args.hub):
+            for path in run.export_run(args.ckpt, args.out, opt=args.opt, hub=args.hub, log=warn):
                 print(path)
         else:
             meta = run.import_checkpoint(args.pt, args.out, args.config, args.overrides, opt_file=args.opt_file,

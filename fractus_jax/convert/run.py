@@ -72,9 +72,22 @@ def torch_checkpoint(snap: Snapshot) -> tuple[dict, dict, dict]:
     return {k: sd[k] for k in order}, config, extras
 
 
-def export_run(ckpt, out, opt: bool = False, hub: bool = False) -> list[Path]:
+def decay_warning(model) -> Optional[str]:
+    """What an export of a decayed engine must say: the PyTorch trainers' engine computes the
+    running sum, so it loads these weights strictly and computes another function."""
+    if model.carry_decay is None:
+        return None
+    return (f"carry_decay={','.join(f'{g:g}' for g in model.carry_decay)} is set: the file's config records it, "
+            "but the PyTorch trainers' engine has no carry decay; it would load these weights and compute "
+            "another function. fractus_jax.reference.FractusEngine(**config) computes this one.")
+
+
+def export_run(ckpt, out, opt: bool = False, hub: bool = False, log: Optional[Log] = None) -> list[Path]:
     """`export`: a run's latest (or given) checkpoint → FILE.pt|.bin|.safetensors [+ .opt]."""
     snap = load_run(ckpt, with_opt=opt)
+    warning = decay_warning(snap.cfg.model)
+    if warning and log is not None:
+        log(warning)
     weights, opt_path = files.export_paths(out, opt, hub)
     model_state, config, extras = torch_checkpoint(snap)
     optimizer = optim.optimizer_to_torch(snap.opt_state, snap.params, snap.cfg, snap.step) if opt else None
@@ -107,7 +120,7 @@ def _check_tensors(ck: files.TorchCheckpoint, sd: dict, cfg: TrainConfig, log: L
             raise ConversionError(f"{ck.path}: the file's config differs in what decides the weights "
                                   f"({'; '.join(wrong)}); choose a matching --config or --set model.FIELD=VALUE")
         soft = [k for k in (*model.torch_kwargs(), "capacity_factor")
-                if k not in (*WEIGHT_FIELDS, names.GATE_TEMPERATURE) and k in ck.config
+                if k not in (*WEIGHT_FIELDS, names.GATE_TEMPERATURE, CARRY_DECAY) and k in ck.config
                 and ck.config[k] != getattr(model, k)]
         for k in soft:
             log(f"{ck.path}: the file's {k} is {ck.config[k]!r}, the config's {getattr(model, k)!r} applies")
@@ -115,6 +128,33 @@ def _check_tensors(ck: files.TorchCheckpoint, sd: dict, cfg: TrainConfig, log: L
     dtypes = sorted({str(v.dtype).replace("torch.", "") for v in sd.values()} - {"float32"})
     if dtypes:
         log(f"{ck.path}: tensors stored as {', '.join(dtypes)} become float32 in the run")
+
+
+CARRY_DECAY = "carry_decay"
+
+
+def _with_carry_decay(ck: files.TorchCheckpoint, cfg: TrainConfig, log: Log) -> TrainConfig:
+    """The config with the file's carry decay: recorded by an export of a decayed run, it is
+    part of the function the weights were trained in. A config that sets another is refused."""
+    recorded = (ck.config or {}).get(CARRY_DECAY)
+    model = cfg.model
+    if recorded is None:
+        if model.carry_decay is not None:
+            log(f"{ck.path} records no carry_decay (the PyTorch trainers' running sum); the config's "
+                f"carry_decay {list(model.carry_decay)} applies, another function of these weights")
+        return cfg
+    try:
+        decayed = model.replace(carry_decay=recorded)
+    except ValueError as e:
+        raise ConversionError(f"{ck.path}: the file's carry_decay {recorded!r}: {e}") from None
+    if model.carry_decay is None:
+        log(f"{ck.path}: the run computes the file's carry_decay {list(decayed.carry_decay)}")
+        return dataclasses.replace(cfg, model=decayed)
+    if not np.allclose(model.carry_decay, decayed.carry_decay, rtol=0, atol=1e-12):
+        raise ConversionError(f"{ck.path}: the file's carry_decay is {list(decayed.carry_decay)}, the config's "
+                              f"{list(model.carry_decay)}; the weights were trained with the file's: import with "
+                              f"--set model.carry_decay={','.join(repr(g) for g in decayed.carry_decay)}")
+    return cfg
 
 
 def _gate_temperature_key(ck: files.TorchCheckpoint) -> Optional[str]:
@@ -273,6 +313,7 @@ def import_checkpoint(pt, out, config: str, overrides: Sequence[str] = (), opt_f
     _check_out(out)
     cfg = apply_overrides(load_config(config), list(overrides))
     ck = files.read_checkpoint(pt, trust_pickle)
+    cfg = _with_carry_decay(ck, cfg, log)
     sd = convert.strip_prefix(ck.model_state)
     _check_tensors(ck, sd, cfg, log)
     abstract = state_lib.abstract_train_state(cfg)

@@ -8,14 +8,18 @@ the carry entering the chunk and a reset mask, over any leading batch axes `...`
 and return the outputs (..., C, dH) with the state after the last position. A reset at t
 means the state entering t is zero. The recurrence (docs/spec.md §3.1 step 4) is inclusive:
 
-    S_t = [not reset_t]·S_{t-1} + kf_t ⊗ v_t,   z_t likewise,   y_t = qf_t·S_t / (qf_t·z_t)
+    S_t = γ·[not reset_t]·S_{t-1} + kf_t ⊗ v_t,   z_t likewise,   y_t = qf_t·S_t / (qf_t·z_t)
+
+γ is the carry's decay (EngineConfig.carry_decay): absent, γ = 1 and the state is the
+parent's running sum; given, one γ in (0, 1] per batch slice (the engine passes one per level).
 
 `linear_attention_reference` is that recurrence written as a scan over positions: the
 executable definition, kept to test against. `linear_attention` is the fast form used by the
 engine: positions are cut into blocks of c; inside a block the causal, same-segment
-interactions are one masked (c×c) product; each block's own contribution to the state
-(ΔS = Σ k vᵀ over its last segment) is one product, and the state entering every block comes
-from a `lax.associative_scan` over blocks with the reset gate. Everything is batched over the
+interactions are one masked (c×c) product, weighted γ^(j−i) under decay; each block's own
+contribution to the state (ΔS = Σ γ^(e−i) k vᵀ over its last segment, e the block's last
+position) is one product, and the state entering every block comes from a
+`lax.associative_scan` over blocks with the gate γ^c·[no reset in the block]. Everything is batched over the
 blocks (no sequential loop in the forward or the backward). It holds one dH×dH state per
 block, C/c of them, never one per position as the reference's backward does.
 """
@@ -41,16 +45,33 @@ def _safe_divide(num, den):
 _state_dtype = accum_dtype
 
 
-def linear_attention_reference(qf, kf, v, S0, z0, reset):
+def _log_decay(decay, batch, dt):
+    """log γ with one axis per batch axis (γ given for the leading ones, broadcast over the
+    rest), or None without decay."""
+    if decay is None:
+        return None
+    lg = jnp.log(jnp.asarray(decay, dt))
+    nb = len(batch)
+    if lg.ndim > nb:
+        raise ValueError(f"decay {lg.shape} has more axes than the batch axes {tuple(batch)}")
+    lg = lg.reshape(lg.shape + (1,) * (nb - lg.ndim))
+    if np.broadcast_shapes(lg.shape, tuple(batch)) != tuple(batch):
+        raise ValueError(f"decay {lg.shape} does not broadcast to the batch axes {tuple(batch)}")
+    return lg
+
+
+def linear_attention_reference(qf, kf, v, S0, z0, reset, decay=None):
     """Scan over positions: the recurrence exactly as written (float32 or float64)."""
     dt = _state_dtype(qf.dtype)
     qf, kf, v = (a.astype(dt) for a in (qf, kf, v))
     S0, z0 = S0.astype(dt), z0.astype(dt)
+    lg = _log_decay(decay, qf.shape[:-2], dt)
+    gamma = 1.0 if lg is None else jnp.exp(lg)
 
     def step(carry, xs):
         S, z = carry
         q_t, k_t, v_t, r_t = xs
-        keep = (~r_t).astype(dt)
+        keep = (~r_t).astype(dt) * gamma
         S = keep[..., None, None] * S + k_t[..., :, None] * v_t[..., None, :]
         z = keep[..., None] * z + k_t
         num = jnp.einsum("...d,...de->...e", q_t, S)
@@ -72,9 +93,11 @@ def _combine_blocks(earlier, later):
     return g1 * g2, g2 * S1 + S2, g2[..., 0] * z1 + z2
 
 
-def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64, one_block_axis: bool = True):
+def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64, one_block_axis: bool = True, decay=None):
     """Chunkwise form: masked products inside blocks, block states combined by a scan.
-    one_block_axis=False: a chunk of one block gets no block axis (kernels/cpu.py's form)."""
+    one_block_axis=False: a chunk of one block gets no block axis (kernels/cpu.py's form).
+    decay: γ for the leading batch axes (broadcast over the rest), or None (γ = 1, the
+    parent's running sum, computed without any decay factor)."""
     dt = _state_dtype(qf.dtype)
     qf, kf, v = (a.astype(dt) for a in (qf, kf, v))
     *batch, C, dH = qf.shape
@@ -112,6 +135,30 @@ def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64, one_block_a
     # in_last_seg: positions whose k, v survive to the block's end.
     from_carry = (seg == 0).astype(dt)
     in_last_seg = (seg == seg[..., -1:]).astype(dt)
+    block_gate = from_carry[..., -1]                                    # (..., [n]) no reset in the block
+    lg = _log_decay(decay, batch, dt)
+    if lg is not None:
+        # Under decay each term is weighted by γ to the number of steps it crosses: i → j
+        # inside a block γ^(j−i); the state entering the block to j γ^(j+1); i to its block's
+        # last real position e γ^(e−i); the block's gate γ^(e+1). The last block's e stops at
+        # the chunk's last real position (padding must not decay the final state).
+        pos = np.arange(c)
+        ends = np.full(n_blocks, c - 1)
+        ends[-1] = C - 1 - (n_blocks - 1) * c
+        lag = np.maximum(pos[:, None] - pos[None, :], 0)                   # (c_j, c_i)
+        to_end = ends[:, None] - pos[None, :]                               # (n, c_i)
+        if not blocked:
+            to_end, ends = to_end[0], ends[0]
+        else:
+            lag, pos = lag[None], pos[None]
+
+        def decay_pow(n):
+            return jnp.exp(lg.reshape(lg.shape + (1,) * np.ndim(n)) * n)
+
+        mask = mask * decay_pow(lag)
+        from_carry = from_carry * decay_pow(pos + 1)
+        in_last_seg = in_last_seg * decay_pow(np.maximum(to_end, 0)) * (to_end >= 0)
+        block_gate = block_gate * decay_pow(ends + 1)
 
     scores = jnp.einsum("...jd,...id->...ji", q, k) * mask
     num = jnp.einsum("...ji,...ie->...je", scores, v)
@@ -120,7 +167,7 @@ def linear_attention(qf, kf, v, S0, z0, reset, block_size: int = 64, one_block_a
     # What each block adds to a zero state, then the state after each block by the recurrence
     # S_b = g_b·S_{b-1} + ΔS_b (g_b = 0 when block b holds a reset), as an associative scan.
     k_last = k * in_last_seg[..., None]
-    gate = from_carry[..., -1][..., None, None]                         # (..., [n,] 1, 1)
+    gate = block_gate[..., None, None]                                  # (..., [n,] 1, 1)
     if blocked:
         # The states entering blocks 1..n-1 need the ΔS of blocks 0..n-2 only; the last
         # block's ΔS reaches the final state alone. Kept apart, it drops out of the backward

@@ -95,19 +95,21 @@ def _qkv_features_bwd(n_heads, mm_dtype, residuals, cotangents):
 qkv_features.defvjp(_qkv_features_fwd, _qkv_features_bwd)
 
 
-def linear_attention(qf, kf, v, S0, z0, reset, block_size):
+def linear_attention(qf, kf, v, S0, z0, reset, block_size, decay=None):
     """plain.linear_attention, a chunk of one block without a block axis (XLA:CPU chose
     slow layouts around a size-1 axis)."""
-    return attn_k.linear_attention(qf, kf, v, S0, z0, reset, block_size=block_size, one_block_axis=False)
+    return attn_k.linear_attention(qf, kf, v, S0, z0, reset, block_size=block_size, one_block_axis=False,
+                                   decay=decay)
 
 
-def level_attention(qf, kf, v, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L, block_size, linear_attention):
+def level_attention(qf, kf, v, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L, block_size, linear_attention, decay_L=None):
     """plain.level_attention as one kernel call per level: no stacked copies of v and the
     carry, and the carry's level mean a sum of slices, not a reduction over a level axis."""
     n_levels = len(qf)
     a, S_sum, z_sum = 0.0, 0.0, 0.0
     for l in range(n_levels):
-        y, S_l, z_l = linear_attention(qf[l], kf[l], v, S_BxHxdxd, z_BxHxd, reset_BxC[:, None, :], block_size)
+        y, S_l, z_l = linear_attention(qf[l], kf[l], v, S_BxHxdxd, z_BxHxd, reset_BxC[:, None, :], block_size,
+                                       decay=None if decay_L is None else decay_L[l])
         a, S_sum, z_sum = a + mix_L[l] * y, S_sum + S_l, z_sum + z_l
     return a, S_sum / n_levels, z_sum / n_levels
 

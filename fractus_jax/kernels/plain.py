@@ -63,17 +63,18 @@ def qkv_features(x_BxCxD, w_Dx3xD, b_3xD, omega_L, n_heads, mm_dtype):
     return attn_k.elu1(q + omega), attn_k.elu1(k + omega), v
 
 
-def linear_attention(qf, kf, v, S0, z0, reset, block_size):
+def linear_attention(qf, kf, v, S0, z0, reset, block_size, decay=None):
     """The chunkwise causal linear attention with a carried (S, z) (kernels/attention.py)."""
-    return attn_k.linear_attention(qf, kf, v, S0, z0, reset, block_size=block_size)
+    return attn_k.linear_attention(qf, kf, v, S0, z0, reset, block_size=block_size, decay=decay)
 
 
-def level_attention(qf, kf, v, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L, block_size, linear_attention):
+def level_attention(qf, kf, v, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L, block_size, linear_attention, decay_L=None):
     """Σ_l mix_l · attention of level l, and the levels' mean new (S, z). qf and kf hold
     the levels on their first axis (an array, or a sequence of arrays); every level reads
-    the same v and the same carried state."""
+    the same v and the same carried state. decay_L: level l's carry decay γ_l, or None."""
     qf, kf = jnp.stack(qf), jnp.stack(kf)
     y, S_L, z_L = linear_attention(qf, kf, jnp.broadcast_to(v, qf.shape), S_BxHxdxd, z_BxHxd,
-                                   reset_BxC[:, None, :], block_size)
+                                   reset_BxC[:, None, :], block_size,
+                                   decay=None if decay_L is None else jnp.asarray(decay_L, S_BxHxdxd.dtype))
     return jnp.einsum("l,lbhcd->bhcd", mix_L, y), S_L.mean(0), z_L.mean(0)
 

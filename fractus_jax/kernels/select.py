@@ -23,7 +23,7 @@ class Forms(NamedTuple):
     layer_norm: Callable         # (x, p, eps) → LayerNorm(x)
     qkv_features: Callable       # (x, W_qkv, b_qkv, ω, H, matmul dtype) → (qf, kf, v) by level
     linear_attention: Callable   # one level's chunkwise attention with a carried (S, z)
-    level_attention: Callable    # every level's, mixed: (a, S, z)
+    level_attention: Callable    # every level's, mixed, with each level's carry decay: (a, S, z)
 
 
 def _forms(module) -> Forms:

@@ -70,12 +70,13 @@ def _safe_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 
 def loop_attention(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
                    S0: torch.Tensor, z0: torch.Tensor,
-                   reset: Optional[torch.Tensor] = None):
+                   reset: Optional[torch.Tensor] = None, decay: Optional[float] = None):
     """One level of causal linear attention as a plain loop over positions.
 
     qf, kf, v: (B, H, C, dH) (features already applied); S0: (B, H, dH, dH) with
     S[i, j] = Σ kf[i]·v[j]; z0: (B, H, dH); reset: optional (B, C) bool, True where the
-    row's state entering that position is zero (a document start).
+    row's state entering that position is zero (a document start); decay: the carry's γ
+    (S_t = γ·S_{t-1} + kf_t⊗v_t, z likewise), None for the parent's running sum.
     Returns y (B, H, C, dH) and the state after the last position (S_C, z_C).
     """
     B, H, C, dH = qf.shape
@@ -87,6 +88,8 @@ def loop_attention(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
             S = torch.where(r[..., None], torch.zeros_like(S), S)
             z = torch.where(r, torch.zeros_like(z), z)
         k_t, v_t, q_t = kf[:, :, t], v[:, :, t], qf[:, :, t]
+        if decay is not None:
+            S, z = decay * S, decay * z
         S = S + k_t[..., :, None] * v_t[..., None, :]
         z = z + k_t
         num = torch.einsum("bhi,bhij->bhj", q_t, S)
