@@ -112,12 +112,17 @@ TABLES = {
         ("carry streamed, K=1 (the PyTorch trainers')", [*bptt(1), *NO_RESET]),
         ("decay ladder h=10, streamed, K=1", [*bptt(1), *NO_RESET, ladder(10)]),
         ("decay ladder h=10, streamed, K=4", [*bptt(4), *NO_RESET, ladder(10)]),
-        ("decay ladder h=10, streamed, K=1, 64-id chunks", ["batch_size=16", "seq_len=64", *bptt(1), *NO_RESET,
+        ("decay ladder h=10, 64-id chunks, streamed, K=1", ["batch_size=16", "seq_len=64", *bptt(1), *NO_RESET,
                                                              ladder(10)]),
         ("decay ladder h=32, streamed, K=4", [*bptt(4), *NO_RESET, ladder(32)]),
     ]),
 }
 TIMED = {"study", "carry"}   # tables whose rows get equal wall time (--minutes), not their own steps
+
+
+def row_dir_name(label: str) -> str:
+    """A row's label as a directory name: letters, digits and = kept, the rest one underscore."""
+    return "_".join("".join(ch if ch.isalnum() or ch == "=" else " " for ch in label).split())
 
 
 def run_row(base: cfg_lib.TrainConfig, overrides: list[str], workdir: Path) -> dict:
@@ -175,6 +180,9 @@ def main(argv=None) -> int:
     p.add_argument("--minutes", type=float, default=9.0,
                    help="the wall time of each row of a timed table (study), compiling included")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="keep each row's run directory under DIR (named by the row's label), to score, "
+                        "decode or plot it later; by default they are temporary")
     args = p.parse_args(argv)
     try:
         shape, table = TABLES[args.table]
@@ -190,10 +198,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, overrides) in enumerate(rows):
             print(f"{label}: training ({' '.join(overrides)})", file=sys.stderr, flush=True)
+            workdir = Path(tmp) / str(i) if args.keep is None else args.keep / row_dir_name(label)
             if args.table in TIMED:
-                r = run_timed_row(base, overrides, Path(tmp) / str(i), args.minutes)
+                r = run_timed_row(base, overrides, workdir, args.minutes)
             else:
-                r = run_row(base, overrides, Path(tmp) / str(i))
+                r = run_row(base, overrides, workdir)
             out.append({"row": label, "overrides": overrides, **r})
             print(f"  val_bpb {r['val_bpb']:.4f} as trained, {r['val_bpb_warm']:.4f} warmed along the lane, "
                   f"{r['val_bpb_no_carry']:.4f} from a fresh carry" +

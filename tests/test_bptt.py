@@ -38,13 +38,19 @@ def unrolled_grads(params, carry, inputs, targets, cfg, K):
     return jax.jit(jax.grad(loss))(params)
 
 
-def test_bptt_gradients_are_autodiff_of_the_unrolled_chunks_in_float64():
-    cfg = tiny("accum=2", "bptt_chunks=2", "model.capacity_factor=none")
+@pytest.mark.parametrize("accum, K, decay", [(4, 2, None), (6, 3, "0.8,0.95")],
+                         ids=["accum4-K2", "accum6-K3-carry-decay"])
+def test_bptt_gradients_are_autodiff_of_the_unrolled_chunks_in_float64(accum, K, decay):
+    """Several groups of K chunks: the detach between groups, the grouping and the mean over
+    the step's chunks, against jax.grad of the chunks written out (with the carry that
+    forgets too); each broken variant of that definition is caught at the same tolerance."""
+    cfg = tiny(f"accum={accum}", f"bptt_chunks={K}", "model.capacity_factor=none",
+               *([f"model.carry_decay={decay}"] if decay else []))
     detached = cfg_lib.apply_overrides(cfg, ["bptt_chunks=1"])
     B, C = cfg.batch_size, cfg.seq_len
     with jax.enable_x64(True):
         params = move_off_init(fj.init_params(cfg.model, jax.random.PRNGKey(0), jnp.float64), jax.random.PRNGKey(1))
-        ids = jax.random.randint(jax.random.PRNGKey(2), (3, B, C + 1), 0, 256)
+        ids = jax.random.randint(jax.random.PRNGKey(2), (accum + 1, B, C + 1), 0, 256)
         # a carry that holds something: one chunk of text before the step
         _, _, carry = jax.jit(fj.forward_chunk, static_argnums=3)(
             params, fj.init_state(cfg.model, B, jnp.float64), ids[0, :, :-1], cfg.model)
@@ -53,9 +59,21 @@ def test_bptt_gradients_are_autodiff_of_the_unrolled_chunks_in_float64():
         for name, c in (("bptt", cfg), ("detached", detached)):
             new_carry[name], grads[name], _, _ = jax.jit(
                 lambda p, s, c=c: step_lib.accumulate(p, s, inputs, targets, None, c))(params, carry)
-        want = unrolled_grads(params, carry, inputs, targets, cfg, K=2)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), grads["bptt"], want)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), new_carry["bptt"], new_carry["detached"])
+        want = unrolled_grads(params, carry, inputs, targets, cfg, K=K)
+        # broken definitions: no detach between the groups (one group of all the chunks); a sum, not a mean
+        broken = {"one group": unrolled_grads(params, carry, inputs, targets, cfg, K=accum),
+                  "sum": jax.tree.map(lambda g: g * accum, want)}
+
+    def close(a, b):
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-12), a, b)
+
+    close(grads["bptt"], want)
+    for wrong in broken.values():
+        with pytest.raises(AssertionError):
+            close(grads["bptt"], wrong)
+    # the carry the step hands on is the same either way (two programs: equal up to rounding)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15),
+                 new_carry["bptt"], new_carry["detached"])
     # the gradient through the carry is not nothing: the detached carry's gradient (K=1, the
     # mean of the chunks' own gradients) differs far beyond the tolerance
     rel = jax.tree_util.tree_map_with_path(
