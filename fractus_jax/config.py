@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 from fractus_jax.atom import ids as atom_ids
 from fractus_jax.kernels.select import KERNELS
+from fractus_jax.kernels.select import resolved as resolved_kernels
 
 VARIANTS = ("atom", "parent")
 # The EngineConfig fields that decide what the weights are (their shapes and meaning): a
@@ -187,6 +188,11 @@ class Execution:
 
     def replace(self, **changes) -> "Execution":
         return dataclasses.replace(self, **changes)
+
+    def for_platform(self, platform: str) -> "Execution":
+        """These settings with "auto" kernels resolved for `platform` (the platform a program
+        is lowered for, "cpu", "cuda", "tpu", ...), not for this process's backend."""
+        return self.replace(kernels=resolved_kernels(self.kernels, platform))
 
     def for_inference(self) -> "Execution":
         """As scoring, decoding, probing and growth checks run: a few rows on one device, so

@@ -34,12 +34,14 @@ PLAIN = _forms(plain)
 CPU = _forms(cpu)
 
 
-def resolved(kernels: str) -> str:
-    """"plain" or "cpu": what `kernels` ("auto", "plain", "cpu") means on this backend."""
+def resolved(kernels: str, platform: str | None = None) -> str:
+    """"plain" or "cpu": what `kernels` ("auto", "plain", "cpu") means on `platform` (the
+    one a program is lowered for: "cpu", "cuda", "rocm", "tpu"), by default this process's
+    backend. A CPU process lowering for a GPU passes the GPU's platform and gets the plain forms."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     if kernels == "auto":
-        return "cpu" if jax.default_backend() == "cpu" else "plain"
+        return "cpu" if (platform or jax.default_backend()) == "cpu" else "plain"
     return kernels
 
 
