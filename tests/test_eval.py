@@ -13,6 +13,7 @@ import pytest
 
 import fractus_jax
 from fractus_jax import atom, model
+from fractus_jax.atom.features import FEATURE_CONTEXT
 from fractus_jax.config import tiny as tiny_engine
 from fractus_jax import eval as eval_lib
 from fractus_jax.eval.__main__ import main as eval_main
@@ -50,10 +51,12 @@ def held_out_file(run, tmp_path_factory):
     return path
 
 
-def plain_loop(params, cfg, ids, lanes, chunk, restarts=None):
+def plain_loop(params, cfg, ids, lanes, chunk, restarts=None, feats=False):
     """(mean CE with the carry, mean CE from a zero carry at each chunk, targets): the lanes
     read by hand, forward_chunk and a float64 log-softmax, exact routing. restarts
-    (n_chunks, lanes) bool: the lanes whose carry is set to zeros before each chunk."""
+    (n_chunks, lanes) bool: the lanes whose carry is set to zeros before each chunk. feats:
+    each chunk's packet features, with the FEATURE_CONTEXT ids before it in its lane as
+    their left context where the lane has that many (docs/spec.md §5)."""
     cfg = cfg.replace(capacity_factor=None)
     lane_len = len(ids) // lanes
     n_chunks = (lane_len - 1) // chunk
@@ -68,8 +71,13 @@ def plain_loop(params, cfg, ids, lanes, chunk, restarts=None):
                                        0, model.STATE_ROW_AXIS[name]) for name, a in state.items()}
         inputs = lane[:, k * chunk:(k + 1) * chunk]
         targets = lane[:, k * chunk + 1:(k + 1) * chunk + 1]
-        logits, _, state_next = step(params, state, inputs, cfg)
-        fresh, _, _ = step(params, fractus_jax.init_state(cfg, lanes), inputs, cfg)
+        f = None
+        if feats:
+            start = k * chunk
+            left = lane[:, start - FEATURE_CONTEXT:start] if start >= FEATURE_CONTEXT else None
+            f = atom.atom_features(inputs, left=left)
+        logits, _, state_next = step(params, state, inputs, cfg, f)
+        fresh, _, _ = step(params, fractus_jax.init_state(cfg, lanes), inputs, cfg, f)
         for i, lg in enumerate((logits, fresh)):
             lg = np.asarray(lg, np.float64)
             logp = lg - lg.max(-1, keepdims=True)
@@ -116,6 +124,29 @@ def test_a_carry_schedule_restarts_the_lanes_it_names_and_no_others(run, schedul
     # a step of `span` chunks (the trainer's accum) restarts only before its first chunk
     first = np.arange(31) % schedule.span == 0
     assert not restarts[~first].any()
+
+
+def test_the_logged_score_of_a_run_with_features_and_restarts_is_a_plain_loop(corpus_file, tmp_path):
+    """The trainer's val_ce of a run that trains with packet features and restarts its
+    carry every 3 steps, against the plain loop with the features and the restarts written
+    out by hand (chunks 0, 3, 6, ... from a zero carry), not through the Scorer."""
+    cfg = tiny(corpus_file, *VAL, "feats=true", "carry_reset_every=3", "max_steps=3", "val_ids=768")
+    plan = plan_lib.prepare(cfg, tmp_path / "run", progress=False)
+    loop.run(plan, progress=False, log=lambda m: None)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in lines if "val_ce" in m][-1]
+    assert logged["step"] == 3
+    params, engine = ckpt_lib.load_for_inference(tmp_path / "run")
+    ids = np.asarray(plan.val.ids[:cfg.val_ids])
+    n_chunks = (len(ids) // cfg.val_lanes - 1) // cfg.seq_len
+    restarts = np.repeat((np.arange(n_chunks) % 3 == 0)[:, None], cfg.val_lanes, 1)
+    ce, ce0, _ = plain_loop(params, engine, ids, cfg.val_lanes, cfg.seq_len, restarts, feats=True)
+    warm, _, _ = plain_loop(params, engine, ids, cfg.val_lanes, cfg.seq_len, feats=True)
+    assert abs(logged["val_ce"] - ce) <= 1e-4 and abs(logged["val_ce_no_carry"] - ce0) <= 1e-4
+    assert abs(logged["val_ce_warm"] - warm) <= 1e-4
+    # the features and the restarts change the score: without either the loop is elsewhere
+    bare, _, _ = plain_loop(params, engine, ids, cfg.val_lanes, cfg.seq_len, restarts)
+    assert min(abs(ce - bare), abs(ce - warm)) > 1e-3, (ce, bare, warm)
 
 
 def test_a_run_that_restarts_its_carry_every_step_is_scored_from_a_zero_carry(run):
