@@ -332,6 +332,34 @@ def test_cli_loads_a_real_run_directory(trained, tmp_path, capsys):
     assert rc == 0 and obj["text"] == TEXT[len(PREFIX):] and obj["ids"] == rest.tolist()
 
 
+def test_cli_samples_with_its_seed_temperature_and_top_k(tmp_path, capsys):
+    """Sampling through the command line: the same --seed gives the same ids, another seed
+    other ids; --top-k 1 at any temperature is the greedy decode; what --top-k K samples is
+    always among the K ids the forward ranks first."""
+    run_dir = _saved_run(tmp_path / "run")
+
+    def ids(*argv):
+        assert gen.main(["--ckpt", str(run_dir), "--prompt", "def f(", "--mode", "step", "--max-new", "16",
+                         "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ids"]
+
+    hot = ["--temperature", "1.5"]
+    a, b, c = ids(*hot, "--seed", "1"), ids(*hot, "--seed", "1"), ids(*hot, "--seed", "2")
+    assert a == b and a != c
+    greedy = ids()
+    assert ids(*hot, "--top-k", "1", "--seed", "3") == greedy and a != greedy
+    # top-k 3: each sampled id is among the 3 best of the step forward that produced it
+    params, _ = ckpt.load_for_inference(run_dir)
+    sampled = ids(*hot, "--top-k", "3", "--seed", "4")
+    prompt = atom.encode_open("def f(")
+    forward = jax.jit(model.forward_chunk, static_argnums=3)
+    logits, _, state = forward(params, model.init_state(CFG, 1), prompt[None, :].astype(np.int32), CFG)
+    for new in sampled:
+        top3 = np.argsort(np.asarray(logits[0, -1]))[-3:]
+        assert new in top3, (new, top3)
+        logits, _, state = forward(params, state, np.asarray([[new]], np.int32), CFG)
+
+
 # ----------------------------------------------------------------------------- the CLI: notes, paths, exit codes
 
 def _saved_run(path, step=3):
