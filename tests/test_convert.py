@@ -157,6 +157,21 @@ def test_export_loads_strictly_and_gives_the_jax_logits_on_the_next_chunk(traine
     assert np.abs(np.asarray(logits_0) - logits_t.numpy()).max() > 1e-3
 
 
+def test_import_fresh_carry_starts_from_a_zero_carry(trained, corpus_file, tmp_path, capsys):
+    """`convert import --fresh-carry`: the weights and moments as in the file, the carry zeros
+    (without the flag the same file's carry comes in)."""
+    _, run_dir, a_pt = trained
+    argv = ["import", "--pt", str(a_pt), "--config", "tiny", "--set", f"corpus={corpus_file}"]
+    assert cli([*argv, "--out", str(tmp_path / "fresh"), "--fresh-carry"]) == 0
+    captured = capsys.readouterr()
+    assert "carry zero" in captured.out and "--fresh-carry: the run starts from a zero carry" in captured.err
+    fresh, original = run.load_run(tmp_path / "fresh", with_opt=True), run.load_run(run_dir, with_opt=True)
+    _assert_trees_equal(fresh.params, original.params)
+    _assert_trees_equal(fresh.opt_state, original.opt_state)
+    assert np.any(original.carry["S"]) and not any(np.any(a) for a in jax.tree.leaves(fresh.carry))
+    assert fresh.meta["carry"] == "zero" and fresh.step == original.step
+
+
 DECAY = "model.carry_decay=0.8,0.95"
 
 
