@@ -1,5 +1,7 @@
 """The Atom id stream (docs/spec.md §5): worked examples id for id, round trips,
 the fast encoder against the spec's literal loop, and the packet features."""
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -217,6 +219,46 @@ def test_max_span_never_splits_a_character(text):
 
 
 # ---- packet features -------------------------------------------------------------
+
+def test_packet_fields_of_a_short_string_are_the_documented_values():
+    """Length, byte classes, previous kinds, previous lengths, position and flags of the five
+    packets of one string, written out by hand from docs/atom.md's layout."""
+    ids = atom.encode("Hi WORLD, été 42")
+    pos, f = features.packet_features(ids)
+    assert [int(ids[p]) for p in pos] == [259, 260, 259, 259, 264]
+    # payload bytes: "Hi ", "WORLD,", " ", "été " (c3 a9 74 c3 a9 20), "42"; lengths / 32
+    np.testing.assert_allclose(f[:, features.F_LEN], [3 / 32, 6 / 32, 1 / 32, 6 / 32, 2 / 32])
+    # fractions by class: newline, whitespace, punctuation, digit, upper, lower, UTF-8 lead, continuation
+    np.testing.assert_allclose(f[:, features.F_CLASSES:features.F_CLASSES + 8], [
+        [0, 1 / 3, 0, 0, 1 / 3, 1 / 3, 0, 0],
+        [0, 0, 1 / 6, 0, 5 / 6, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0, 0, 0],
+        [0, 1 / 6, 0, 0, 0, 1 / 6, 2 / 6, 2 / 6],
+        [0, 0, 0, 1, 0, 0, 0, 0]], rtol=1e-6)
+    # the kinds of the 4 previous packets (one-hot of 7 each, nearest first; none before the first)
+    prev = f[:, features.F_PREV_KIND:features.F_PREV_KIND + 28].reshape(5, 4, 7)
+    want = np.zeros((5, 4, 7))
+    for packet, kinds in enumerate([[], [0], [1, 0], [0, 1, 0], [0, 0, 1, 0]]):
+        for h, kind in enumerate(kinds):
+            want[packet, h, kind] = 1.0
+    np.testing.assert_array_equal(prev, want)
+    np.testing.assert_allclose(f[:, features.F_PREV_LEN:features.F_PREV_LEN + 4], [
+        [0, 0, 0, 0], [3 / 32, 0, 0, 0], [6 / 32, 3 / 32, 0, 0], [1 / 32, 6 / 32, 3 / 32, 0],
+        [6 / 32, 1 / 32, 6 / 32, 3 / 32]])
+    # the packet's index n in its document: sin and cos of 2πn/p for p = 8, 64, 512, 4096
+    for n in range(5):
+        angles = [2 * math.pi * n / p for p in (8, 64, 512, 4096)]
+        want_pos = [v for a in angles for v in (math.sin(a), math.cos(a))]
+        np.testing.assert_allclose(f[n, features.F_POSITION:features.F_POSITION + 8], want_pos, atol=1e-6)
+    # flags: the first byte's class (newline, whitespace, punctuation, digit, letter), capitalised,
+    # all caps (2+ upper, no lower), any byte >= 0x80
+    np.testing.assert_array_equal(f[:, features.F_FLAGS:features.F_FLAGS + 8], [
+        [0, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 1, 1, 0],
+        [0, 1, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0, 0, 1],
+        [0, 0, 0, 1, 0, 0, 0, 0]])
+
 
 def test_features_aligned_bounded_deterministic():
     rows = np.stack([atom.encode("Hello, World 2026!\nÇa va? " * 3)[:60],
