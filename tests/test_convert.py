@@ -257,7 +257,8 @@ def _torch_adamw(engine, cfg):
 
 
 def _torch_train_step(engine, opt, ids, cfg, step, lr_dtype=float):
-    """One step of a PyTorch trainer: CE + lb_coef·lb on the chunk (the carry flowing, detached),
+    """One training step on the reference engine, written here as the PyTorch trainers' loop
+    does it (not their code): CE + lb_coef·lb on the chunk (the carry flowing, detached),
     clip 1.0, the optimizer at the trainer's scheduled lr (rounded by lr_dtype: the JAX
     trainer holds it as a float32 scalar)."""
     for group in opt.param_groups:

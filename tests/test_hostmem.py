@@ -34,14 +34,19 @@ def test_minor_faults_count_pages_touched_for_the_first_time():
 
 
 def test_a_plain_process_runs_on_glibc_and_is_advised_only_when_it_faults():
+    """Checked in a process of its own without LD_PRELOAD, so it runs on glibc whatever
+    malloc this test process has."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     assert _allocator_of(env=env) == "glibc"
-    if hostmem.allocator() == "glibc":
-        assert hostmem.advice(10) is None
-        note = hostmem.advice(65_000)
-        assert "65,000 page faults per step" in note and "with_tcmalloc" in note
-        assert "with_tcmalloc" in hostmem.cpu_training_note("cpu")
-    assert hostmem.cpu_training_note("gpu") is None
+    check = ("from fractus_jax import hostmem\n"
+             "assert hostmem.allocator() == 'glibc'\n"
+             "assert hostmem.advice(10) is None\n"
+             "note = hostmem.advice(65_000)\n"
+             "assert '65,000 page faults per step' in note and 'with_tcmalloc' in note, note\n"
+             "assert 'with_tcmalloc' in hostmem.cpu_training_note('cpu')\n"
+             "assert hostmem.cpu_training_note('gpu') is None\n")
+    r = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
 
 
 @needs_tcmalloc

@@ -158,7 +158,7 @@ def test_row_streams_need_whole_dispatch_groups():
 
 
 @pytest.mark.slow
-def test_remat_changes_nothing_but_memory():
+def test_remat_gives_the_same_gradients_in_float64():
     cfg = config.tiny()
     with jax.enable_x64(True):   # float64: remat may reorder float32 rounding, nothing more
         params, state, ids = _tiny_inputs(cfg, dtype=jnp.float64)
