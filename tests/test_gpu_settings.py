@@ -33,12 +33,14 @@ GPU = ["execution.kernels=plain", "execution.compute_dtype=bfloat16", "execution
 RUN = ["batch_size=8", "max_steps=4", "save_every=2"]
 MESHES = [(2, 4), (8, 1)]
 # The sharded bound, leaf by leaf: |w_mesh − w_one| ≤ LEAF_TOL · |w_one − w_init| for every
-# trained leaf, so that each leaf moved by 4 times its difference at least; over the whole
-# tree TREE_TOL. Measured up to 7.4e-2 on a leaf: under bfloat16 a few tokens near a top-k
+# trained leaf, so that each leaf moved by 10 times its difference at least; over the whole
+# tree TREE_TOL. Measured 1.2e-2 on the worst leaf and 4.6e-3 over the tree (`-s` prints
+# them); on earlier versions of the test corpus (built from this package's sources) up to
+# 7.4e-2 on a leaf and 3.8e-2 over the tree: under bfloat16 a few tokens near a top-k
 # tie route differently on another mesh, which changes the small, cancelling gradients of
 # the routing-only leaves (the oscillators' base-phase biases) and of the expert factors
 # those tokens reach by a jump (docs/engine.md, "Numerics"; float32: 1.6e-5).
-LEAF_TOL, TREE_TOL = 0.25, 0.1
+LEAF_TOL, TREE_TOL = 0.1, 0.05
 LANE_CHUNK, LANE_CHUNKS = 64, 160          # one lane of 10,240 scored ids, the carry flowing
 
 
@@ -128,6 +130,17 @@ def meshes(run, corpus_file):
     return out
 
 
+def test_a_sharded_run_with_a_scaled_learning_rate_is_caught(meshes, run, corpus_file):
+    """The control of the sharded bound: a 2×4 run whose learning rate is 1.25 times the
+    config's (a per-device scaling gone wrong) is outside LEAF_TOL and TREE_TOL."""
+    cfg, _, plan = run
+    init, one = meshes[(1, 1)]
+    _, broken = _steps(gpu_cfg(corpus_file, "mesh.data=2", "mesh.fsdp=4", f"lr={cfg.lr * 1.25!r}"),
+                       plan.train.ids, cfg.max_steps)
+    with pytest.raises(AssertionError):
+        _assert_mesh_within(init, one, broken)
+
+
 def _name(path):
     return "/".join(str(getattr(k, "key", k)) for k in path)
 
@@ -139,11 +152,9 @@ def test_the_one_device_steps_are_the_trainers(run, meshes):
                  meshes[(1, 1)][1]["params"])
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_sharded_steps_differ_from_one_device_by_a_small_part_of_each_leafs_update(meshes, mesh):
-    init, one = meshes[(1, 1)]
-    init_m, other = meshes[mesh]
-    jax.tree.map(np.testing.assert_array_equal, init, init_m)   # the same start on every mesh
+def _mesh_figures(init, one, other):
+    """(whole-tree |Δ|/|update|, (worst leaf's share, its name), trained leaves), asserting
+    that the leaves no gradient reaches are equal on both meshes."""
     diff2 = upd2 = 0.0
     worst = (0.0, None)
     trained = 0
@@ -156,12 +167,26 @@ def test_sharded_steps_differ_from_one_device_by_a_small_part_of_each_leafs_upda
             assert diff == 0.0, _name(path)
             continue
         trained += 1
-        # every trained leaf moved well beyond its tolerance: the bound means something
-        assert diff <= LEAF_TOL * upd, (_name(path), diff / upd)
         worst = max(worst, (diff / upd, _name(path)))
+    return np.sqrt(diff2 / upd2), worst, trained
+
+
+def _assert_mesh_within(init, one, other):
+    tree, worst, trained = _mesh_figures(init, one, other)
     assert trained >= 20
-    print(f"{mesh}: |Δ|/|update| whole tree {np.sqrt(diff2 / upd2):.2e}, worst leaf {worst[1]} {worst[0]:.2e}")
-    assert np.sqrt(diff2 / upd2) <= TREE_TOL, np.sqrt(diff2 / upd2)
+    # every trained leaf moved well beyond its tolerance: the bound means something
+    assert worst[0] <= LEAF_TOL, worst
+    assert tree <= TREE_TOL, tree
+    return tree, worst
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_sharded_steps_differ_from_one_device_by_a_small_part_of_each_leafs_update(meshes, mesh):
+    init, one = meshes[(1, 1)]
+    init_m, other = meshes[mesh]
+    jax.tree.map(np.testing.assert_array_equal, init, init_m)   # the same start on every mesh
+    tree, worst = _assert_mesh_within(init, one, other)
+    print(f"{mesh}: |Δ|/|update| whole tree {tree:.2e}, worst leaf {worst[1]} {worst[0]:.2e}")
     # the carried state after the same lanes (measured 7e-4 at most, the thought); the
     # phases are angles in [0, 2π), so theirs is the difference around the circle (a phase
     # just under 2π on one mesh may be just over 0 on the other)
