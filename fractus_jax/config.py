@@ -211,6 +211,9 @@ def split_fields(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 UNKNOWN_KEYS = ("warn", "ignore", "error")
+# Fields added after run directories were written whose default is the function those runs
+# computed: a saved config that lacks one takes its default without a note.
+SAME_FUNCTION_DEFAULTS = ("carry_decay",)
 
 
 def field_values(cls, d: dict[str, Any], unknown: str = "warn", log: Optional[Callable[[str], None]] = None,
@@ -236,6 +239,7 @@ def field_values(cls, d: dict[str, Any], unknown: str = "warn", log: Optional[Ca
     required = [f.name for f in absent if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if required:
         raise ValueError(f"{where} lacks fields this version needs: {', '.join(required)}")
+    absent = [f for f in absent if f.name not in SAME_FUNCTION_DEFAULTS]
     if absent and unknown != "ignore":
         defaults = [f"{f.name}={f.default if f.default is not dataclasses.MISSING else f.default_factory()!r}"
                     for f in absent]

@@ -9,9 +9,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
+import pytest
 
 from fractus_jax import config
 from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import config as cfg_lib
+from fractus_jax.train import step as step_lib
+from fractus_jax.train.data import LaneReader
 from fractus_jax.train.__main__ import main as train_main
 
 DATA = Path(__file__).resolve().parent / "data" / "run_2250e87"
@@ -59,3 +64,39 @@ def test_a_run_directory_from_before_the_execution_split_reads_and_resumes(tmp_p
     moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                 for a, b in zip(jax.tree.leaves(then), jax.tree.leaves(now)))
     assert moved > 0
+
+    # What it resumed from is what was saved: steps 3 and 4 taken here by today's step from
+    # the old step 2 (its weights, SGD momentum and carry, read without the trainer) on the
+    # lanes at offsets 32 and 48 give step 4's weights, momentum and carry bit for bit.
+    today = cfg_lib.apply_overrides(cfg, [f"corpus={corpus}"])
+    old_2, at_4 = _restore(DATA, today, 2), _restore(run, today, 4)
+    momentum = optax.tree_utils.tree_get(old_2["opt_state"], "trace")
+    assert np.abs(np.asarray(momentum["observe"])).max() > 0       # a momentum to misread
+    reader = LaneReader(np.fromfile(corpus, "<u2"), today.batch_size, today.seq_len)
+    step = jax.jit(step_lib.make_train_step(today))
+
+    def two_steps(state):
+        for offset in (2 * 16, 3 * 16):
+            state, _ = step(state, {"ids": reader.read(offset)[0]})
+        return jax.device_get(state)
+
+    def close(a, b):   # two programs (the trainer's is sharded and donates): equal up to float32 rounding
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-8), a, b)
+
+    taken = two_steps(old_2)
+    for part in ("params", "opt_state", "carry"):
+        close(taken[part], at_4[part])
+    # the control: the same two steps from the momentum read as zeros end elsewhere
+    zeroed = optax.tree_utils.tree_set(old_2["opt_state"], trace=jax.tree.map(np.zeros_like, momentum))
+    wrong = two_steps({**_restore(DATA, today, 2), "opt_state": zeroed})
+    with pytest.raises(AssertionError):
+        close(wrong["params"], at_4["params"])
+
+
+def _restore(run_dir, cfg, step):
+    ck = ckpt_lib.RunCheckpointer(run_dir, read_only=True)
+    try:
+        state, _ = ck.restore(ckpt_lib.one_device_abstract(cfg), step)
+    finally:
+        ck.close()
+    return state
