@@ -27,6 +27,7 @@ from fractus_jax.train import state as state_lib
 from fractus_jax.train import objective
 from fractus_jax.train import step as step_lib
 from fractus_jax.train.__main__ import main as train_cli
+from fractus_jax.train.data import LaneReader
 from fractus_jax.train.errors import TrainError
 
 from engine_testing import move_off_init
@@ -752,3 +753,37 @@ def test_parameters_the_loss_does_not_reach_are_left_alone_and_old_opt_states_re
     assert set(plan_lib.moments_lacking(masked, old_cfg)) == heads | feat
     assert plan_lib.moments_lacking({k: v for k, v in masked.items() if k != "step_unreached"}, old_cfg) == []
     assert plan_lib.moments_lacking(old_cfg.to_dict(), cfg) == []
+
+
+def test_init_from_starts_a_fresh_run_from_another_runs_weights(corpus_file, tmp_path):
+    """init_from=DIR: the new run's first step starts from DIR's weights with fresh optimizer
+    moments at step 0 (the step written out here from those weights gives its step-1 state),
+    its own lanes from offset 0; the source run is left as it was."""
+    source = tiny(corpus_file, "max_steps=3", "save_every=3", "lr=0.01")
+    train(source, tmp_path / "source")
+    weights, _ = ckpt_lib.load_for_inference(tmp_path / "source")
+    cfg = tiny(corpus_file, "max_steps=1", "save_every=1", f"init_from={tmp_path / 'source'}")
+    logs = []
+    loop.run(plan_lib.prepare(cfg, tmp_path / "run", progress=False), progress=False, log=logs.append)
+    assert any("weights from" in m and "fresh optimizer moments" in m for m in logs), logs
+    got, _ = restore(tmp_path / "run", cfg)
+    assert int(got["step"]) == 1
+
+    state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(cfg.seed))
+    state = state_lib.with_params(cfg, state, weights)
+    assert int(optax.tree_utils.tree_get(state["opt_state"], "count")) == 0
+    ids = plan_lib.prepare(cfg, tmp_path / "probe", progress=False).train.ids
+    from_source, _ = jax.jit(step_lib.make_train_step(cfg))(
+        state, {"ids": LaneReader(ids, cfg.batch_size, cfg.seq_len).read(0)[0]})
+    # leaf by leaf within 1e-3 of the step's update (two programs; AdamW's first step turns a
+    # rounding of a near-zero gradient element into a step of up to lr on one side only)
+    for a, b, w in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(jax.device_get(from_source["params"])),
+                       jax.tree.leaves(weights)):
+        a, b, w = (np.asarray(x, np.float64) for x in (a, b, w))
+        assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b - w) + 1e-12
+    # the control: the config's own initialisation is far from where the run started
+    fresh, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(cfg.seed))
+    assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+               for a, b in zip(jax.tree.leaves(fresh["params"]), jax.tree.leaves(got["params"]))) > 1e-3
+    again, _ = ckpt_lib.load_for_inference(tmp_path / "source")
+    jax.tree.map(np.testing.assert_array_equal, weights, again)
