@@ -184,3 +184,22 @@ def test_a_run_with_packet_features_learns_a_memorisable_text_and_logs_its_own_c
 def _write(path, text):
     path.write_text(text)
     return path
+
+
+def test_the_repeat_prob_metric_is_the_mean_probability_of_repeating_the_input():
+    """repeat_prob, logged each step: the mean over positions of softmax(logits)[input id],
+    the probability the model gives to repeating the id it reads, written out here from the
+    step's weights and carry (and not the probability of the target, which CE reads)."""
+    cfg = tiny("model.capacity_factor=none")
+    state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(0))
+    state["params"] = move_off_init(state["params"], jax.random.PRNGKey(4))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (1, cfg.batch_size, cfg.seq_len + 1), 0, 256)
+    ids = ids.at[:, :, 1::2].set(ids[:, :, 0::2][:, :, :ids.shape[2] // 2])     # repeats to find
+    logits, _, _ = jax.jit(fj.forward_chunk, static_argnums=3)(state["params"], state["carry"], ids[0, :, :-1],
+                                                                cfg.model)
+    p = jax.nn.softmax(np.asarray(logits, np.float64), axis=-1)
+    want = float(np.take_along_axis(p, np.asarray(ids[0, :, :-1])[..., None], -1).mean())
+    target = float(np.take_along_axis(p, np.asarray(ids[0, :, 1:])[..., None], -1).mean())
+    _, metrics = jax.jit(step_lib.make_train_step(cfg))(state, {"ids": ids})
+    assert abs(float(metrics["repeat_prob"]) - want) <= 1e-6 * max(want, 1e-3), (float(metrics["repeat_prob"]), want)
+    assert abs(want - target) > 1e-5       # the control: the target's probability is another figure, far outside the bound
