@@ -15,6 +15,7 @@ import pytest
 
 from fractus_jax import atom
 from fractus_jax.atom import build as B
+from fractus_jax.atom import stream
 from fractus_jax.atom.__main__ import main
 from fractus_jax.atom.corpus import (
     CorpusError, build_corpus, build_default_corpus, index_path, open_corpus,
@@ -300,6 +301,28 @@ def test_cli_commands(tmp_path, capsys):
     assert main(["validate", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "id 300 at offset 1" in err and str(bad) in err
+
+
+def test_cli_build_field_and_encode_open(tmp_path, capsys):
+    """`build --field NAME` reads that field of each .jsonl record (a record without it is
+    refused, naming the file); `encode --open` prints the open (prompt) form: no EOS after
+    the text, and the last packet left open."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text(json.dumps({"body": "Hello world", "text": "other"}) + "\n" + json.dumps({"body": "Bye"}) + "\n")
+    out = tmp_path / "c.u16"
+    assert main(["build", "--src", str(src), "--out", str(out), "--field", "body", "--quiet"]) == 0
+    capsys.readouterr()
+    ids = np.fromfile(out, "<u2")
+    assert stream.decode(ids) == "Hello worldBye"                   # the body fields, not "text"
+    assert ids.tolist() == stream.encode("Hello world").tolist() + stream.encode("Bye").tolist()
+    assert main(["build", "--src", str(src), "--out", str(tmp_path / "d.u16"), "--field", "title", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"{src}:1:" in err and "'title'" in err
+    assert main(["encode", "abc123def", "--open"]) == 0
+    opened = [int(x) for x in capsys.readouterr().out.split()]
+    assert opened == stream.encode_open("abc123def").tolist() == [257, 97, 98, 99, 262, 49, 50, 51, 262, 100, 101, 102]
+    assert main(["encode", "abc123def"]) == 0
+    assert [int(x) for x in capsys.readouterr().out.split()][-2:] == [264, 258]   # closed: a boundary, then EOS
 
 
 def test_cli_subprocess_no_traceback(tmp_path):
