@@ -37,6 +37,7 @@ from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
 from fractus_jax.config import EngineConfig, Execution
 from fractus_jax.decode import MODES, check_decode_args, decode_ids, speech_counts
 from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train.rundir import local_path
 
 
 class GenerateError(ValueError):
@@ -193,7 +194,7 @@ def _max_new(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fractus_jax.generate",
                                  description="Generate text with a trained Fractus engine (Atom ids).")
-    ap.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP",
+    ap.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=local_path,
                     help="a run directory written by the trainer (its latest checkpoint) or DIR/checkpoints/<step>")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     ap.add_argument("--prompt", action="append", required=True, metavar="TEXT",

@@ -1,5 +1,6 @@
 """The run directory's own files (fractus_jax/train/rundir.py): lock, leftovers, manifest
 repair, metrics log. Plain files, no JAX: each test runs in milliseconds."""
+import importlib
 import json
 import os
 import signal
@@ -236,3 +237,24 @@ def test_the_event_records_are_tensorboards_protobufs_byte_for_byte():
         assert tboard.Event.decode(pb.SerializeToString()) == e
     with pytest.raises(ValueError):
         tboard.Event.decode(events[2].encode()[:-3])   # cut short: the reader stops there
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("train", ["--config", "tiny", "--workdir", "s3://runs/tiny"]),
+    ("eval", ["--ckpt", "gs://bucket/run"]),
+    ("generate", ["--ckpt", "s3://runs/tiny", "--prompt", "a"]),
+    ("grow", ["--ckpt", "runs/tiny", "--out", "s3://runs/grown", "--add-layers", "1"]),
+    ("convert", ["export", "--ckpt", "s3://runs/tiny", "--out", "model.pt"]),
+    ("convert", ["import", "--pt", "model.pt", "--config", "tiny", "--out", "s3://runs/imported"]),
+])
+def test_an_object_storage_url_is_refused_not_taken_as_a_local_path(command, argv, tmp_path, monkeypatch, capsys):
+    """A run directory given as a URL is refused at start (exit 2, the URL named), and no local
+    directory named after it ("s3:/runs/tiny") appears."""
+    monkeypatch.chdir(tmp_path)
+    main = importlib.import_module(f"fractus_jax.{command}.__main__" if command != "generate"
+                                   else "fractus_jax.generate").main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "URL" in err and "://" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []

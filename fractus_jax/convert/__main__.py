@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from fractus_jax.convert import ConversionError
-from fractus_jax.train.rundir import CheckpointError
+from fractus_jax.train.rundir import CheckpointError, local_path
 from fractus_jax.train.config import ConfigError
 
 
@@ -18,9 +18,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="a run directory's checkpoint → PyTorch files")
-    e.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP",
+    e.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=local_path,
                    help="a run directory (its latest checkpoint) or DIR/checkpoints/<step>")
-    e.add_argument("--out", required=True, metavar="FILE",
+    e.add_argument("--out", required=True, metavar="FILE", type=local_path,
                    help="FILE.pt (torch.save), FILE.bin, or FILE.safetensors")
     e.add_argument("--opt", action="store_true",
                    help="also write the optimizer moments as a PyTorch optimizer state dict (<stem>.opt)")
@@ -28,7 +28,7 @@ def parse_args(argv=None):
                    help="the model hub's names: <stem>.bin for a .pt, <stem>.opt.bin for the moments")
     i = sub.add_parser("import", help="a PyTorch checkpoint → a new run directory the trainer resumes")
     i.add_argument("--pt", required=True, metavar="FILE", help=".pt, .bin, .pth or .safetensors")
-    i.add_argument("--out", required=True, metavar="DIR", help="the new run directory")
+    i.add_argument("--out", required=True, metavar="DIR", type=local_path, help="the new run directory")
     i.add_argument("--config", required=True, help="a config name (fractus_jax/configs/NAME.py) or a path: the run's TrainConfig")
     i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, as for the trainer")

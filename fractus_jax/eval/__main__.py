@@ -26,7 +26,7 @@ from fractus_jax.atom.corpus import CorpusError
 from fractus_jax.eval import EvalError, Scorer
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train.heldout import carry_schedule
-from fractus_jax.train.rundir import CheckpointError
+from fractus_jax.train.rundir import CheckpointError, local_path
 
 BUILD_HINT = "make one from text with: python -m fractus_jax.atom build --src TEXT_FILE --out HELD_OUT.u16"
 
@@ -38,7 +38,7 @@ class _UserError(Exception):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fractus_jax.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP",
+    p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=local_path,
                    help="a run directory (its newest good checkpoint) or DIR/checkpoints/<step>")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
     p.add_argument("--corpus", default=None, metavar="FILE",

@@ -15,15 +15,15 @@ import sys
 from fractus_jax.atom.corpus import CorpusError
 from fractus_jax.grow import GrowthError, GrowthSpec
 from fractus_jax.train import grow_run
-from fractus_jax.train.rundir import CheckpointError, read_manifest
+from fractus_jax.train.rundir import CheckpointError, local_path, read_manifest
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fractus_jax.grow", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP",
+    p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=local_path,
                    help="a run directory (its latest checkpoint) or DIR/checkpoints/<step>")
-    p.add_argument("--out", required=True, metavar="DIR", help="the new run directory (absent or empty)")
+    p.add_argument("--out", required=True, metavar="DIR", type=local_path, help="the new run directory (absent or empty)")
     p.add_argument("--add-layers", type=int, default=0, metavar="N", help="blocks appended after the last one")
     p.add_argument("--add-experts", type=int, default=0, metavar="N", help="experts added to every layer")
     p.add_argument("--siren-rank", type=int, default=None, metavar="R", help="the new expert rank (>= the current)")

@@ -22,7 +22,7 @@ from fractus_jax.train.tboard import DIRNAME as TENSORBOARD
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fractus_jax.train", description=__doc__)
     p.add_argument("--config", required=True, help="a config name (fractus_jax/configs/NAME.py), or a path to a config file")
-    p.add_argument("--workdir", required=True, help="run directory: checkpoints, manifest, metrics")
+    p.add_argument("--workdir", required=True, type=rundir.local_path, help="run directory: checkpoints, manifest, metrics")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field (dotted: model.variant=parent) or a PyTorch trainer name (BATCH=16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

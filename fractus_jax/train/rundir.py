@@ -12,12 +12,14 @@ files and no JAX, so that the lock is cheap to take and to test.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import errno
 import fcntl
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -494,3 +496,18 @@ class RunDir:
         self.lock.release()
         if first is not None:
             raise first
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_path(value: str) -> str:
+    """The argparse type of a run directory, checkpoint or output path: a local path (or a
+    filesystem mounted on every host). A URL (s3://, gs://, ...) is refused with exit 2: it
+    is never taken as the local directory its slashes would collapse to ("s3:/runs/x")."""
+    if _URL.match(value):
+        scheme = value.split("://", 1)[0]
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is a {scheme}:// URL; this version keeps a run on a local path (or a filesystem "
+            "mounted on every host), not on object storage: give a path")
+    return value
