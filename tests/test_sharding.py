@@ -150,13 +150,21 @@ def _free_port() -> int:
 def test_two_processes_on_localhost_match_one(corpus_file, start, tmp_path):
     overrides = [f"--set=corpus={corpus_file}", *[f"--set={o}" for o in SHARDED_RUN],
                  "--set=mesh.data=2", "--set=mesh.fsdp=4", *[f"--set={o}" for o in TWO_PROCESS_RUN]]
-    env = {**os.environ, "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
+    # `--distributed` alone: JAX reads the cluster from the environment, here a SLURM job step
+    # of two tasks on this machine (its coordinator address given, on a free port);
+    # tests/test_multihost_faults.py launches with the explicit --coordinator flags
     port = _free_port()
     workdir = tmp_path / "two"
+
+    def slurm(i):
+        return {**os.environ, "XLA_FLAGS": SUBPROCESS_XLA_FLAGS, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": "2",
+                "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}
+
     procs = [subprocess.Popen(
         [sys.executable, "-m", "fractus_jax.train", "--no-progress", "--config", "tiny", "--workdir", str(workdir),
-         *overrides, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
-         "--local-devices", "4"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         *overrides, "--distributed", "--local-devices", "4"], cwd=ROOT, env=slurm(i), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
         for i in range(2)]
     try:
         outs = [p.communicate(timeout=400) for p in procs]
