@@ -26,7 +26,7 @@ LAYERS = (
     # the engine: its config, parameters and forward, the mesh layout, the Flax modules,
     # decoding, the PyTorch reference, and the analytic FLOPs of a config
     ("fractus_jax", "fractus_jax.config", "fractus_jax.model", "fractus_jax.sharding", "fractus_jax.nn",
-     "fractus_jax.decode", "fractus_jax.reference", "fractus_jax.bench.flops"),
+     "fractus_jax.decode", "fractus_jax.reference", "fractus_jax.flops"),
     # on the engine: held-out scoring, growth of the engine's arrays, PyTorch state dicts
     ("fractus_jax.eval", "fractus_jax.grow", "fractus_jax.convert"),
     # the trainer: run directories, the step, the loop, and what works on runs

@@ -2,7 +2,7 @@
 
 Times the very step the trainer runs (`fractus_jax.train.step.jit_train_step`, state
 donated, on the config's mesh) after compilation and warm-up, and reports ids/s, the
-analytic model FLOPs per id (fractus_jax/bench/flops.py), the achieved FLOP/s and
+analytic model FLOPs per id (fractus_jax/flops.py), the achieved FLOP/s and
 MFU = achieved / peak, where the peak is measured in the same run: a dense float32 matmul
 on a CPU, a bfloat16 matmul on a GPU, timed 3 times before the steps and after every 5
 timed steps. `mfu` divides the median step by the best matmul of the run; `mfu_paired` is
@@ -27,7 +27,7 @@ import numpy as np
 from fractus_jax import hostmem, sharding
 from fractus_jax.config import split_fields
 from fractus_jax.bench import timing
-from fractus_jax.bench.flops import train_flops_per_id
+from fractus_jax.flops import train_flops_per_id
 from fractus_jax.kernels import select
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import state as state_lib

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from fractus_jax import sharding
-from fractus_jax.bench.flops import train_flops_per_id
+from fractus_jax.flops import train_flops_per_id
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.step import abstract_batch, batch_shardings, jit_train_step
@@ -61,7 +61,7 @@ def plan_memory(cfg) -> dict:
         "opt_state_bytes_per_device": shard_bytes(abstract["opt_state"], shardings["opt_state"]),
         "unsharded": sharding.unsharded_dims(abstract["params"], mesh),
         # XLA's count sees each loop body once (layer scan, block scan): kept for reference;
-        # flops_per_step is the analytic model count of fractus_jax/bench/flops.py.
+        # flops_per_step is the analytic model count of fractus_jax/flops.py.
         "xla_flops_per_step_per_device": float(cost.get("flops", float("nan"))) if cost else None,
         "flops_per_step": train_flops_per_id(cfg.model) * cfg.batch_size * cfg.seq_len * cfg.accum,
         "ids_per_step": cfg.batch_size * cfg.seq_len * cfg.accum,
