@@ -1,7 +1,7 @@
 """Does the carried thought's value grow or fade with how long the engine has read?
 (docs/notes/2026-12-03-carry-decay.md)
 
-    python scripts/carry_horizon.py --run LABEL=DIR [--run LABEL=DIR ...] [--warm 0,1,16,256,4096]
+    python scripts/carry_horizon.py --run LABEL DIR [--run LABEL DIR ...] [--warm 0,1,16,256,4096]
         [--lanes 4] [--target-chunks 256] [--png FILE] [--json]
 
 For each run directory (its latest checkpoint, its config's corpus, held-out part and
@@ -126,7 +126,8 @@ def plot(results: dict, path: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/carry_horizon.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", action="append", required=True, metavar="LABEL=DIR", help="a run directory, labelled")
+    p.add_argument("--run", action="append", required=True, nargs=2, metavar=("LABEL", "DIR"),
+                   help="a run directory, labelled")
     p.add_argument("--warm", default="0,1,16,256,4096", help="warm-up lengths in chunks (comma-separated)")
     p.add_argument("--lanes", type=int, default=4)
     p.add_argument("--target-chunks", type=int, default=256)
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
         warms = sorted({int(w) for w in args.warm.split(",")})
         if warms[0] < 0 or args.lanes < 1 or args.target_chunks < 1:
             raise ValueError("warm-up lengths must be >= 0, --lanes and --target-chunks >= 1")
-        runs = dict(r.split("=", 1) if "=" in r else (r, r) for r in args.run)
+        runs = dict(args.run)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

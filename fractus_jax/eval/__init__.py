@@ -249,10 +249,14 @@ class Scorer:
         if own_stream:
             restarts[:, B:] = sched.resets(n_chunks, B)
         bar = None
+
+        def new_bar(initial, description):
+            from tqdm import tqdm   # loaded only when a bar is shown
+            return tqdm(total=n_chunks, initial=initial, unit="chunk", desc=description, file=sys.stderr,
+                        dynamic_ncols=True, delay=1.0, leave=False)
+
         if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=n_chunks, unit="chunk", desc=f"{desc + ': ' if desc else ''}compiling",
-                       file=sys.stderr, dynamic_ncols=True, delay=1.0, leave=False)
+            bar = new_bar(0, f"{desc + ': ' if desc else ''}compiling")
         carry = model.init_state(self.cfg, restarts.shape[1])
         total = np.zeros(2 + own_stream)
         n_bytes = 0
@@ -268,10 +272,9 @@ class Scorer:
                                          ex=self.ex)
                 if pending is not None:   # chunk k is dispatched: now read chunk k−1
                     total += np.asarray(pending, np.float64)
-                    if bar is not None and k == 1:   # the compilation is done: the rate starts here
-                        bar.reset(total=n_chunks)
-                        bar.n = bar.last_print_n = bar.initial = 1
-                        bar.set_description_str(desc, refresh=False)
+                    if bar is not None and k == 1:   # the compilation is done: a bar whose rate starts here
+                        bar.close()
+                        bar = new_bar(1, desc)
                     elif bar is not None:
                         bar.update(1)
                 pending = nats
