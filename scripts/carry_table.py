@@ -115,6 +115,7 @@ TABLES = {
         ("decay ladder h=10, 64-id chunks, streamed, K=1", ["batch_size=16", "seq_len=64", *bptt(1), *NO_RESET,
                                                              ladder(10)]),
         ("decay ladder h=32, streamed, K=4", [*bptt(4), *NO_RESET, ladder(32)]),
+        ("running sum, streamed, K=4", [*bptt(4), *NO_RESET]),
     ]),
 }
 TIMED = {"study", "carry"}   # tables whose rows get equal wall time (--minutes), not their own steps
