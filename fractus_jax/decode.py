@@ -1,8 +1,8 @@
-"""The pure, jit-compiled decode core (docs/spec.md §4 "Decoding"): two modes, one chunk forward.
+"""The pure, jit-compiled decode core (docs/spec.md §4 "Decoding"): three modes, one chunk forward.
 
 `decode_ids` runs the whole decode loop inside one `lax.while_loop` (no host round trip
 per id) on a batch of equal-length prompts and is usable from inside a jitted trainer
-probe. Both modes call `model.forward_hidden`, the same chunk forward training uses:
+probe. Every mode calls `model.forward_hidden`, the same chunk forward training uses:
 
 * ``step``: prefill the prompt as one chunk from a zero state; the first id comes from
   the prefill's last position; then each id is fed back as a chunk of C = 1, carrying
@@ -10,6 +10,13 @@ probe. Both modes call `model.forward_hidden`, the same chunk forward training u
 * ``window``: each step re-runs the last W ids (fewer while fewer exist) as one chunk
   from a ZERO state (a sliding stateless window: re-running overlapping windows on a
   carried state would absorb the same ids twice).
+* ``chunk``: the function a run that streamed its carry in chunks of C = ``window`` ids
+  trained: the ids (prompt, then the generated ones) are cut into chunks of C from the
+  first, each chunk starts from the carry the chunk before it left, and each id comes from
+  the chunk so far (fewer than C ids) run from that carry. The engine's carry is the mean
+  of its levels' states at every chunk's end, so the chunk length is part of the function:
+  step mode (C = 1) computes another one. Atom engines only (the parent routes a chunk by
+  its last position, which the chunk so far does not hold yet).
 
 Static shapes: the window is always W wide. While fewer than W ids exist it is padded on
 the LEFT with ``pad_id``. That padding is invisible when every prompt starts with the
@@ -40,7 +47,7 @@ from fractus_jax.atom.ids import PAD as PAD_ID
 from fractus_jax.config import EngineConfig, Execution
 from fractus_jax.dtypes import accum_dtype
 
-MODES = ("step", "window")
+MODES = ("step", "window", "chunk")
 
 
 def check_decode_args(cfg: EngineConfig, max_new: int, mode: str, window: int,
@@ -50,8 +57,11 @@ def check_decode_args(cfg: EngineConfig, max_new: int, mode: str, window: int,
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if int(max_new) < 1:
         raise ValueError(f"max_new must be >= 1, got {max_new}")
-    if mode == "window" and int(window) < 1:
+    if mode in ("window", "chunk") and int(window) < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if mode == "chunk" and not cfg.is_atom:
+        raise ValueError("mode 'chunk' decodes Atom engines only: the parent routes a chunk by its last "
+                         "position, which a chunk decoded so far does not hold yet")
     if temperature is not None and not float(temperature) >= 0.0:
         raise ValueError(f"temperature must be >= 0 (0 or None: greedy), got {temperature}")
     if int(top_k) < 0 or int(top_k) > cfg.vocab_size:
@@ -94,8 +104,9 @@ def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: st
 
     ids are int32 with ``pad_id`` after a row's EOS; confidence is float32,
     sigmoid(confidence_head(h_last)) of the call that produced each id (0 after EOS);
-    n_valid counts each row's generated ids, its EOS included. ``window`` is used only by
-    mode "window". All of cfg, max_new, mode, window, temperature, top_k, ex are static.
+    n_valid counts each row's generated ids, its EOS included. ``window`` is the window of
+    mode "window" and the chunk length of mode "chunk". All of cfg, max_new, mode, window,
+    temperature, top_k, ex are static.
     """
     check_decode_args(cfg, max_new, mode, window, temperature, top_k)
     prompt = jnp.asarray(prompt_ids_BxP, jnp.int32)
@@ -137,6 +148,30 @@ def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: st
             return i + 1, state, last, out
 
         _, _, _, out = jax.lax.while_loop(cond, body, (jnp.int32(1), state, last, out))
+    elif mode == "chunk":
+        C = int(window)
+        # The prompt's whole chunks before the one its last id is in, from the zero carry.
+        state = zero
+        full = (P - 1) // C
+        for k in range(full):
+            _, _, state = _last(params, cfg, ex, state, prompt[:, k * C:(k + 1) * C])
+        # C pad columns behind: the chunk of C from any start is a slice of seq.
+        seq = jnp.concatenate([prompt, jnp.full((B, N + C), pad_id, jnp.int32)], axis=1)
+
+        def body(c):
+            i, seq, state, start, out = c
+            n = P + i                                    # ids so far; the chunk so far is seq[start:n]
+            chunk = jax.lax.dynamic_slice(seq, (jnp.int32(0), start), (B, C))
+            h, _, after = model.forward_hidden(params, state, chunk, cfg, ex=ex)
+            h_last = jax.lax.dynamic_index_in_dim(h, n - 1 - start, axis=1, keepdims=False)
+            logits = model.logits_from_hidden(params, h_last[:, None])[:, 0]
+            new, out = emit(i, logits, model.confidence(params, h_last), out)
+            seq = jax.lax.dynamic_update_slice(seq, new[:, None], (jnp.int32(0), n))
+            whole = n - start == C                      # the chunk was whole: its end is the next carry
+            state = jax.tree.map(lambda a, b: jnp.where(whole, a, b), after, state)
+            return i + 1, seq, state, start + jnp.where(whole, C, 0), out
+
+        _, _, _, _, out = jax.lax.while_loop(cond, body, (jnp.int32(0), seq, state, jnp.int32(full * C), out0))
     else:
         W = int(window)
         # W pad columns in front: the window of the first n ids is seq[:, n : n + W].

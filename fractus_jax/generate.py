@@ -1,7 +1,7 @@
 """Text generation with the Fractus engine: a Python API and ``python -m fractus_jax.generate``.
 
     python -m fractus_jax.generate --ckpt RUN_DIR|RUN_DIR/checkpoints/STEP --prompt "Bonjour, le" [--prompt ...]
-        [--step N] [--max-new 40] [--mode step|window (default: as the run trained)] [--window W]
+        [--step N] [--max-new 40] [--mode step|window|chunk (default: as the run trained)] [--window W]
         [--temperature 0] [--top-k 0] [--seed 0] [--json]
 
 Each prompt is encoded with ``atom.encode_open`` (docs/spec.md §5: BOS, its committed packets,
@@ -151,20 +151,21 @@ def generate(params, cfg: EngineConfig, prompts: Union[str, Sequence[str]], max_
             prompt=text, prompt_ids=enc.tolist(), text=atom.decode(gen), ids=gen.tolist(),
             unique_ids=u_ids, unique_bytes=u_bytes, confidence=[float(c) for c in conf[b, :n]],
             ms_per_id=ms_per_id, stopped_at_eos=bool(n and gen[-1] == EOS), mode=mode,
-            window=int(window) if mode == "window" else None))
+            window=int(window) if mode in ("window", "chunk") else None))
     return out
 
 
 # ----------------------------------------------------------------------------- CLI
 
 def trained_settings(run_dir: str, step: Optional[int] = None) -> tuple[str, Optional[int], Execution]:
-    """(mode, window, execution) of the run's checkpoint: ("window", accum·seq_len) when every
-    step started from the initial carry (TrainConfig.trained_window), else ("step", None);
-    and how the run computed its engine (dtype, kernels)."""
+    """(mode, window, execution) of the run's checkpoint: the decoding that computes the
+    function it trained (TrainConfig.trained_decoding: a window of accum·seq_len ids when
+    every step started from the initial carry, chunks of seq_len carrying the state for an
+    Atom run that streamed it, else step), and how the run computed its engine (dtype, kernels)."""
     run, named = ckpt_lib.resolve_checkpoint(run_dir)
     _, _, cfg = ckpt_lib.read_step(run, named if step is None else step)
-    window = cfg.trained_window()
-    return ("window", window, cfg.execution) if window else ("step", None, cfg.execution)
+    mode, window = cfg.trained_decoding()
+    return mode, window, cfg.execution
 
 
 def load_run(run_dir: str, step: Optional[int] = None):
@@ -202,11 +203,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new", type=_max_new, default=40, metavar="N",
                     help=f"ids to generate at most (default 40, at most {MAX_NEW_LIMIT:,})")
     ap.add_argument("--mode", choices=MODES, default=None,
-                    help="step: C=1 per id, state carried; window: re-run the last W ids from a zero state "
-                         "(default: as the run trained: window over accum·seq_len ids when every step started "
-                         "from the initial carry, else step)")
+                    help="step: C=1 per id, state carried; window: re-run the last W ids from a zero state; "
+                         "chunk: chunks of W ids, each from the carry the one before left (default: as the "
+                         "run trained: window over accum·seq_len ids when every step started from the initial "
+                         "carry, chunks of seq_len for an Atom run that streamed its carry, else step)")
     ap.add_argument("--window", type=int, default=None, metavar="W",
-                    help="window width of --mode window (default: the run's accum·seq_len, else 64)")
+                    help="window width of --mode window, chunk length of --mode chunk (default: the run's "
+                         "accum·seq_len or seq_len, else 64)")
     ap.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, metavar="K",
                     help="with --temperature > 0: sample among the K best (0: all)")
@@ -246,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         params, cfg = load_run(args.ckpt, args.step)
         mode, window, ex = trained_settings(args.ckpt, args.step)
-        if args.mode:
+        if args.mode and args.mode != mode:
             mode, window = args.mode, None
         window = args.window if args.window is not None else (window or DEFAULT_WINDOW)
         results = generate(params, cfg, args.prompt, max_new=args.max_new, mode=mode,

@@ -190,7 +190,8 @@ def test_the_table_script_prints_a_row_beside_the_bigram(corpus_file, capsys):
 def test_generate_decodes_as_the_run_trained(corpus_file, tmp_path, capsys):
     """A run whose every step started from the initial carry, reading accum=2 chunks a step,
     trained the window function of 2·seq_len ids: `generate` without --mode decodes so; a
-    run that streams its carry decodes in step mode; --mode and --window still choose."""
+    run that streams its carry decodes in chunks of seq_len carrying the state (its trained
+    function); --mode and --window still choose."""
     from fractus_jax import generate as gen
 
     def decoded(workdir, *extra):
@@ -206,4 +207,4 @@ def test_generate_decodes_as_the_run_trained(corpus_file, tmp_path, capsys):
     assert decoded(tmp_path / "window", "--window", "5")["window"] == 5
     _train(cfg_lib.apply_overrides(cfg, ["carry_reset_every=0"]), tmp_path / "streamed")
     got = decoded(tmp_path / "streamed")
-    assert (got["mode"], got["window"]) == ("step", None)
+    assert (got["mode"], got["window"]) == ("chunk", cfg.seq_len)

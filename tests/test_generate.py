@@ -99,6 +99,45 @@ def test_window_mode_equals_rerunning_the_window(random64):
     np.testing.assert_allclose(np.stack(got_conf, 1), out["window"][1], rtol=1e-5, atol=1e-6)
 
 
+def test_chunk_mode_equals_the_chunks_run_by_hand_with_their_carry():
+    """mode "chunk" (C = 8, a decayed carry, a prompt that ends mid-chunk): each id is the
+    sample of the chunk so far run from the carry the chunk before left, as the sequence cut
+    into chunks of 8 from its first id and run chunk by chunk; step mode is another function
+    (the levels' states are averaged at every chunk's end), and a parent engine is refused."""
+    cfg = config.tiny(capacity_factor=None, carry_decay=(0.8, 0.95))
+    C, N = 8, 20
+    with jax.enable_x64(True):
+        params = move_off_init(model.init_params(cfg, jax.random.PRNGKey(0), jnp.float64), jax.random.PRNGKey(1))
+        prompt = atom.encode_open("def main(x): return x + 1")[None].astype(np.int32)
+        P = prompt.shape[1]
+        assert P % C and P > C
+        key = jax.random.PRNGKey(5)
+        ids, conf, n = dec.decode_ids(params, cfg, prompt, N, mode="chunk", window=C, temperature=1.0, key=key)
+        step_ids, _, _ = dec.decode_ids(params, cfg, prompt, N, mode="step", temperature=1.0, key=key)
+        hid = jax.jit(model.forward_hidden, static_argnums=3)
+        seq = prompt[0].tolist()
+        state = model.init_state(cfg, 1, jnp.float64)
+        for start in range(0, (P - 1) // C * C, C):      # the prompt's whole chunks
+            _, _, state = hid(params, state, jnp.asarray([seq[start:start + C]]), cfg)
+        want, want_conf = [], []
+        for i in range(N):
+            start = (len(seq) - 1) // C * C            # the chunk the last id is in
+            h, _, after = hid(params, state, jnp.asarray([seq[start:]]), cfg)
+            logits = model.logits_from_hidden(params, h[:, -1:])[:, 0]
+            new = int(dec.select_ids(logits, jax.random.fold_in(key, i), 1.0, 0)[0])
+            want.append(new)
+            want_conf.append(float(model.confidence(params, h[:, -1])[0]))
+            if len(seq) - start == C:                  # a whole chunk: its end is the next carry
+                state = after
+            seq.append(new)
+    assert int(n[0]) == N
+    np.testing.assert_array_equal(np.asarray(ids)[0], want)
+    np.testing.assert_allclose(np.asarray(conf)[0], want_conf, rtol=1e-6)   # decode keeps confidences float32
+    assert not np.array_equal(np.asarray(step_ids), np.asarray(ids))
+    with pytest.raises(ValueError, match="Atom engines only"):
+        dec.check_decode_args(config.tiny(variant="parent", bos_id=None), N, "chunk", C, None, 0)
+
+
 def test_sampling_is_reproducible_and_seeded(random64):
     params, prompt, key, N, W, out = random64
     with jax.enable_x64(True):

@@ -186,6 +186,16 @@ class TrainConfig:
         (docs/generation.md, window mode); None when the carry ran across steps."""
         return self.accum * self.seq_len if self.carry_reset_every == 1 or self.carry_reset_prob >= 1.0 else None
 
+    def trained_decoding(self) -> tuple[str, Optional[int]]:
+        """(decode mode, its window) that computes the function this run trained (decode.py):
+        ("window", accum·seq_len) when every step started from the initial carry; an Atom run
+        that carried its state across chunks ("chunk", seq_len): chunks of seq_len, each from
+        the carry the one before left; a parent run ("step", None)."""
+        window = self.trained_window()
+        if window:
+            return "window", window
+        return ("chunk", self.seq_len) if self.model.is_atom else ("step", None)
+
     def for_programs(self) -> "TrainConfig":
         """This config with RUN_FIELDS at their defaults: what the train step and the state's
         initialisation are built from (train/step.py, train/state.py), so that configs apart

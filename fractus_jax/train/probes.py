@@ -83,8 +83,8 @@ class Prober:
         self.rows = jnp.asarray(_probe_rows(corpus, PROBE_ROWS, max(PROBE_LEN, WARM + FREE)))
         self._tf = jax.jit(_teacher_forced, static_argnums=(2, 3))
         self._ar = jax.jit(_ar_eval, static_argnums=(2, 3))
-        window = cfg.trained_window()
-        self.speech_mode = {"mode": "window", "window": window} if window else {"mode": "step"}
+        mode, window = cfg.trained_decoding()
+        self.speech_mode = {"mode": mode, "window": window} if window else {"mode": mode}
         self.prompt = None
         if self.cfg.vocab_size == ATOM_VOCAB:
             self.prompt = jnp.asarray(encode_open(SPEECH_PROMPT), jnp.int32)[None]
