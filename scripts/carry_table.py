@@ -47,6 +47,7 @@ from fractus_jax.train.heldout import HeldOut, bigram_baseline
 CONSTANT = ["lr_schedule=constant", "decay_steps=0", "lr_floor=0"]
 RECIPE_60 = ["lr=3e-3", "warmup_steps=10", "max_steps=60", *CONSTANT]     # smoke's recipe before resets
 NO_RESET = ["carry_reset_every=0", "carry_reset_prob=0"]
+RUNNING_SUM = ["model.carry_decay=none"]   # the parent's carry (smoke's own is a decay ladder)
 EVERY_STEP = ["carry_reset_every=1", "carry_reset_prob=0"]
 LR_6E3 = ["lr=6e-3", "warmup_steps=10", *CONSTANT]
 FIGURES = ("val_ce", "val_bpb", "val_ce_warm", "val_bpb_warm", "val_ce_no_carry", "val_bpb_no_carry")
@@ -71,7 +72,7 @@ def ladder(horizon: float) -> str:
 # Each table: the lanes' shape (set on the base, so the bigram scores the same targets) and its rows.
 TABLES = {
     # smoke's shape: 64 lanes of 16-id chunks
-    "64x16": (["batch_size=64", "seq_len=16"], [
+    "64x16": (["batch_size=64", "seq_len=16", *RUNNING_SUM, *bptt(1)], [
         ("no reset, lr 6e-3, 300 steps", [*LR_6E3, "max_steps=300", *NO_RESET]),
         ("reset every 4 steps, lr 6e-3, 300 steps", [*LR_6E3, "max_steps=300", "carry_reset_every=4",
                                                      "carry_reset_prob=0"]),
@@ -82,7 +83,7 @@ TABLES = {
         ("reset every step, lr 6e-3, 300 steps", [*LR_6E3, "max_steps=300", *EVERY_STEP]),
     ]),
     # smoke's former shape: 8 lanes of 128-id chunks
-    "8x128": (["batch_size=8", "seq_len=128"], [
+    "8x128": (["batch_size=8", "seq_len=128", *RUNNING_SUM, *bptt(1)], [
         ("no reset, lr 3e-3, 60 steps", RECIPE_60 + NO_RESET),
         ("reset every 4 steps, lr 3e-3, 60 steps", RECIPE_60 + ["carry_reset_every=4", "carry_reset_prob=0"]),
         ("reset p=0.25, lr 3e-3, 60 steps", RECIPE_60 + ["carry_reset_every=0", "carry_reset_prob=0.25"]),
@@ -97,7 +98,7 @@ TABLES = {
     # bench_small's body on smoke's lanes (64 of 16-id chunks: 8 lanes of 128 read a few
     # files' worth, and a 10-minute row of them scored 5.3 bits per byte, the bigram 3.9),
     # equal wall time per row (--minutes)
-    "study": (["batch_size=64", "seq_len=16", *STUDY], [
+    "study": (["batch_size=64", "seq_len=16", *STUDY, *RUNNING_SUM], [
         ("carry streamed, K=1", [*bptt(1), *NO_RESET]),
         ("reset every step, K=1", [*bptt(1), *EVERY_STEP]),
         ("K=4, reset every 4 chunks", [*bptt(4), *EVERY_STEP]),
@@ -108,14 +109,14 @@ TABLES = {
     # smoke's body on smoke's lanes, equal wall time per row (--minutes 20): the carry that
     # forgets (model.carry_decay, a golden-ratio ladder of horizons) against the restart recipe
     "carry": (["batch_size=64", "seq_len=16", *STUDY], [
-        ("restart every chunk, K=1 (smoke's recipe)", [*bptt(1), *EVERY_STEP]),
-        ("carry streamed, K=1 (the PyTorch trainers')", [*bptt(1), *NO_RESET]),
+        ("restart every chunk, K=1 (smoke's former recipe)", [*bptt(1), *EVERY_STEP, *RUNNING_SUM]),
+        ("carry streamed, K=1 (the PyTorch trainers')", [*bptt(1), *NO_RESET, *RUNNING_SUM]),
         ("decay ladder h=10, streamed, K=1", [*bptt(1), *NO_RESET, ladder(10)]),
         ("decay ladder h=10, streamed, K=4", [*bptt(4), *NO_RESET, ladder(10)]),
         ("decay ladder h=10, 64-id chunks, streamed, K=1", ["batch_size=16", "seq_len=64", *bptt(1), *NO_RESET,
                                                              ladder(10)]),
         ("decay ladder h=32, streamed, K=4", [*bptt(4), *NO_RESET, ladder(32)]),
-        ("running sum, streamed, K=4", [*bptt(4), *NO_RESET]),
+        ("running sum, streamed, K=4", [*bptt(4), *NO_RESET, *RUNNING_SUM]),
     ]),
 }
 TIMED = {"study", "carry"}   # tables whose rows get equal wall time (--minutes), not their own steps
