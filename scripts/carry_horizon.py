@@ -2,7 +2,7 @@
 (docs/notes/2026-12-03-carry-decay.md)
 
     python scripts/carry_horizon.py --run LABEL DIR [--run LABEL DIR ...] [--warm 0,1,16,256,4096]
-        [--lanes 4] [--target-chunks 256] [--png FILE] [--json]
+        [--lanes 4] [--target-chunks 256] [--merge EARLIER.json ...] [--png FILE] [--json]
 
 For each run directory (its latest checkpoint, its config's corpus, held-out part and
 chunk length), the held-out part is cut into --lanes lanes of W + M chunks (W the longest
@@ -126,12 +126,15 @@ def plot(results: dict, path: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python scripts/carry_horizon.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", action="append", required=True, nargs=2, metavar=("LABEL", "DIR"),
+    p.add_argument("--run", action="append", default=[], nargs=2, metavar=("LABEL", "DIR"),
                    help="a run directory, labelled")
     p.add_argument("--warm", default="0,1,16,256,4096", help="warm-up lengths in chunks (comma-separated)")
     p.add_argument("--lanes", type=int, default=4)
     p.add_argument("--target-chunks", type=int, default=256)
     p.add_argument("--png", type=Path, default=None, help="draw the figure to this PNG")
+    p.add_argument("--merge", type=Path, action="append", default=[], metavar="FILE",
+                   help="results of an earlier run of this script (its --json output) to table and draw "
+                        "with these, in order before them")
     p.add_argument("--json", action="store_true", help="print the results as one JSON line")
     args = p.parse_args(argv)
     try:
@@ -143,6 +146,15 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     results = {}
+    for path in args.merge:
+        try:
+            results.update(json.loads(path.read_text().strip().splitlines()[-1]))
+        except (OSError, ValueError, IndexError) as e:
+            print(f"error: {path}: not this script's --json output ({e})", file=sys.stderr)
+            return 2
+    if not results and not runs:
+        print("error: nothing to score: give --run LABEL DIR (or --merge FILE)", file=sys.stderr)
+        return 2
     for label, d in runs.items():
         try:
             results[label] = horizon(Path(d), warms, args.lanes, args.target_chunks)
