@@ -360,7 +360,9 @@ def test_the_speech_probe_decodes_as_the_run_trained(corpus_file):
     from fractus_jax.decode import decode_ids
     from fractus_jax.train.probes import SPEECH_STEPS, Prober
 
-    assert Prober(tiny(corpus_file), open_corpus(corpus_file)).speech_mode == {"mode": "step"}
+    # an Atom run that streams its carry: chunks of seq_len from the carry before (decode mode "chunk")
+    assert Prober(tiny(corpus_file), open_corpus(corpus_file)).speech_mode == {"mode": "chunk", "window": 16}
+    assert tiny(corpus_file, "model.variant=parent", "model.bos_id=none").trained_decoding() == ("step", None)
     cfg = tiny(corpus_file, "carry_reset_every=1")   # every chunk from the initial carry: the window function
     prober = Prober(cfg, open_corpus(corpus_file))
     assert prober.speech_mode == {"mode": "window", "window": cfg.seq_len} and cfg.trained_window() == 16
