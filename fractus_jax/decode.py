@@ -151,10 +151,13 @@ def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: st
     elif mode == "chunk":
         C = int(window)
         # The prompt's whole chunks before the one its last id is in, from the zero carry.
-        state = zero
         full = (P - 1) // C
-        for k in range(full):
-            _, _, state = _last(params, cfg, ex, state, prompt[:, k * C:(k + 1) * C])
+
+        def prefill(state, chunk_BxC):   # one traced forward however long the prompt
+            return _last(params, cfg, ex, state, chunk_BxC)[2], None
+
+        chunks = prompt[:, :full * C].reshape(B, full, C).transpose(1, 0, 2)
+        state, _ = jax.lax.scan(prefill, zero, chunks)
         # C pad columns behind: the chunk of C from any start is a slice of seq.
         seq = jnp.concatenate([prompt, jnp.full((B, N + C), pad_id, jnp.int32)], axis=1)
 

@@ -4,6 +4,8 @@ import os
 import jax
 import numpy as np
 
+from fractus_jax.train import checkpoint as ckpt_lib
+
 # XLA_FLAGS for a subprocess that sets its own device count (`--local-devices`, a script):
 # the suite's code generation flags (tests/conftest.py) and nothing else.
 SUBPROCESS_XLA_FLAGS = os.environ["FRACTUS_TEST_SUBPROCESS_XLA_FLAGS"]
@@ -68,3 +70,13 @@ def changed_leaves(tree, start):
     flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda a, s: bool(np.any(np.asarray(a) != np.asarray(s))),
                                                              tree, start))[0]
     return {jax.tree_util.keystr(p) for p, moved in flat if moved}
+
+
+def restore_state(run_dir, abstract, step=None):
+    """The train state of a run directory's step (its newest by default), read-only, in the
+    shapes and shardings of `abstract`."""
+    ck = ckpt_lib.RunCheckpointer(run_dir, read_only=True)
+    try:
+        return ck.restore(abstract, step)[0]
+    finally:
+        ck.close()

@@ -8,13 +8,12 @@ import pytest
 
 import fractus_jax as fj
 from fractus_jax import model, sharding
-from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
 from fractus_jax.train import plan as plan_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
-from engine_testing import move_off_init
+from engine_testing import move_off_init, restore_state
 
 
 def tiny(*overrides):
@@ -96,12 +95,7 @@ def _train(cfg, workdir):
 
 
 def _state(workdir, cfg, step=None):
-    ck = ckpt_lib.RunCheckpointer(workdir, read_only=True)
-    try:
-        state, _ = ck.restore(state_lib.abstract_train_state(cfg), step)
-    finally:
-        ck.close()
-    return state
+    return restore_state(workdir, state_lib.abstract_train_state(cfg), step)
 
 
 @pytest.mark.devices(8)

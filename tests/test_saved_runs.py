@@ -17,6 +17,7 @@ from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import step as step_lib
 from fractus_jax.train.data import LaneReader
+from engine_testing import restore_state
 from fractus_jax.train.__main__ import main as train_main
 
 DATA = Path(__file__).resolve().parent / "data" / "run_2250e87"
@@ -69,7 +70,8 @@ def test_a_run_directory_from_before_the_execution_split_reads_and_resumes(tmp_p
     # the old step 2 (its weights, SGD momentum and carry, read without the trainer) on the
     # lanes at offsets 32 and 48 give step 4's weights, momentum and carry bit for bit.
     today = cfg_lib.apply_overrides(cfg, [f"corpus={corpus}"])
-    old_2, at_4 = _restore(DATA, today, 2), _restore(run, today, 4)
+    abstract = ckpt_lib.one_device_abstract(today)
+    old_2, at_4 = restore_state(DATA, abstract, 2), restore_state(run, abstract, 4)
     momentum = optax.tree_utils.tree_get(old_2["opt_state"], "trace")
     assert np.abs(np.asarray(momentum["observe"])).max() > 0       # a momentum to misread
     reader = LaneReader(np.fromfile(corpus, "<u2"), today.batch_size, today.seq_len)
@@ -88,15 +90,6 @@ def test_a_run_directory_from_before_the_execution_split_reads_and_resumes(tmp_p
         close(taken[part], at_4[part])
     # the control: the same two steps from the momentum read as zeros end elsewhere
     zeroed = optax.tree_utils.tree_set(old_2["opt_state"], trace=jax.tree.map(np.zeros_like, momentum))
-    wrong = two_steps({**_restore(DATA, today, 2), "opt_state": zeroed})
+    wrong = two_steps({**restore_state(DATA, abstract, 2), "opt_state": zeroed})
     with pytest.raises(AssertionError):
         close(wrong["params"], at_4["params"])
-
-
-def _restore(run_dir, cfg, step):
-    ck = ckpt_lib.RunCheckpointer(run_dir, read_only=True)
-    try:
-        state, _ = ck.restore(ckpt_lib.one_device_abstract(cfg), step)
-    finally:
-        ck.close()
-    return state
