@@ -335,9 +335,11 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 # moments as |jax − torch| / |torch| (L2 over the leaf, `_rel`). Float64: one function (largest
 # measured 9.4e-14). Float32: a fixed bound near the largest figure measured over both hand-off
 # tests' leaf checks (`pytest tests/test_convert.py -k hands_off -s` prints them): 4.5e-5 with
-# the plain kernels and with the CPU-tuned forms alike.
+# the plain kernels and with the CPU-tuned forms alike on one version of the test corpus (it is
+# built from this package's sources), 2.1e-4 on another (`kuramoto.phase_proj.bias`, a leaf the
+# loss reaches only through top-k routing, whose gradient cancels over the batch).
 FLOAT64_BOUND = 1e-10
-FLOAT32_BOUND = {"plain": 1e-4, "cpu": 1e-4}
+FLOAT32_BOUND = {"plain": 4e-4, "cpu": 4e-4}
 # The control: a trainer step whose update is off by this share is caught by either bound.
 BROKEN_UPDATE = 1e-3
 

@@ -146,7 +146,7 @@ def test_the_logged_score_of_a_run_with_features_and_restarts_is_a_plain_loop(co
     assert abs(logged["val_ce_warm"] - warm) <= 1e-4
     # the features and the restarts change the score: without either the loop is elsewhere
     bare, _, _ = plain_loop(params, engine, ids, cfg.val_lanes, cfg.seq_len, restarts)
-    assert min(abs(ce - bare), abs(ce - warm)) > 1e-3, (ce, bare, warm)
+    assert min(abs(ce - bare), abs(ce - warm)) > 2e-4, (ce, bare, warm)   # twice the bound above
 
 
 def test_a_run_that_restarts_its_carry_every_step_is_scored_from_a_zero_carry(run):
