@@ -72,6 +72,10 @@ class EngineConfig:
     # `decay_ladder` gives the golden-ratio ladder of horizons. The PyTorch trainers' engine
     # does not compute it (an export says so); the reference engine does.
     carry_decay: Optional[tuple[float, ...]] = None
+    # False: carry_decay is a constant of the function. True: carry_decay is where a weight
+    # starts, every block learns γ = sigmoid(attn.decay_logit) per level and head (an
+    # (n_levels, n_heads) weight, docs/spec.md §2), and carry_decay must be set, each γ < 1.
+    learn_carry_decay: bool = False
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -99,6 +103,13 @@ class EngineConfig:
             if bad:
                 raise ValueError(f"carry_decay values must be in (0, 1] (1: no decay), got {bad[0]!r}")
             object.__setattr__(self, "carry_decay", decay)
+        if self.learn_carry_decay:
+            if self.carry_decay is None:
+                raise ValueError("learn_carry_decay needs carry_decay, the γ each level's weight starts at, e.g. "
+                                 f"carry_decay={','.join(f'{g:.4g}' for g in decay_ladder(16, self.n_levels))}")
+            if max(self.carry_decay) >= 1.0:
+                raise ValueError(f"learn_carry_decay: a learned γ = sigmoid(decay_logit) stays below 1, so "
+                                 f"carry_decay must start below 1, got {max(self.carry_decay)!r}")
 
     @property
     def is_atom(self) -> bool:
@@ -106,12 +117,14 @@ class EngineConfig:
 
     def torch_kwargs(self) -> dict[str, Any]:
         """The PyTorch reference constructor's arguments (what an export's "config" holds):
-        the PyTorch trainers' engine's, and carry_decay when set (the reference engine
-        computes it; the trainers' engine does not know it)."""
+        the PyTorch trainers' engine's, and carry_decay (with learn_carry_decay when learned)
+        when set (the reference engine computes it; the trainers' engine does not know it)."""
         names = [f.name for f in dataclasses.fields(self)]
         out = {n: getattr(self, n) for n in names[: names.index("atom_feat_dim") + 1]}
         if self.carry_decay is not None:
             out["carry_decay"] = list(self.carry_decay)
+        if self.learn_carry_decay:
+            out["learn_carry_decay"] = True
         return out
 
     def replace(self, **changes) -> "EngineConfig":
@@ -213,7 +226,7 @@ def split_fields(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 UNKNOWN_KEYS = ("warn", "ignore", "error")
 # Fields added after run directories were written whose default is the function those runs
 # computed: a saved config that lacks one takes its default without a note.
-SAME_FUNCTION_DEFAULTS = ("carry_decay",)
+SAME_FUNCTION_DEFAULTS = ("carry_decay", "learn_carry_decay")
 
 
 def field_values(cls, d: dict[str, Any], unknown: str = "warn", log: Optional[Callable[[str], None]] = None,

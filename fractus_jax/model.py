@@ -56,6 +56,18 @@ def level_offsets(n_levels: int) -> np.ndarray:
     return np.array([(GOLDEN ** 2) ** (-l) for l in range(n_levels)], dtype=np.float64)
 
 
+def decay_logits(cfg: EngineConfig) -> np.ndarray:
+    """attn.decay_logit at init: logit(γ_l) of carry_decay for every head, (L, H)."""
+    g_L = np.asarray(cfg.carry_decay, np.float64)
+    return np.repeat((np.log(g_L) - np.log1p(-g_L))[:, None], cfg.n_heads, axis=1)
+
+
+def carry_decay(p, cfg: EngineConfig):
+    """The blocks' carry decay: None (the running sum), the config's γ_l per level, or the
+    learned γ = sigmoid(decay_logit) per level and head, (L, H)."""
+    return jax.nn.sigmoid(p["decay_logit"]) if cfg.learn_carry_decay else cfg.carry_decay
+
+
 def _init_block(cfg: EngineConfig, key, dtype) -> Params:
     D, N, E, F, r = cfg.d_model, cfg.n_oscillators, cfg.n_experts, cfg.expert_d_ff, cfg.siren_rank
     keys = iter(jax.random.split(key, 10))
@@ -68,6 +80,8 @@ def _init_block(cfg: EngineConfig, key, dtype) -> Params:
         "level_logits": jnp.zeros((cfg.n_levels,), dtype),
         "level_offsets": jnp.asarray(level_offsets(cfg.n_levels), dtype),
     }
+    if cfg.learn_carry_decay:
+        attn["decay_logit"] = jnp.asarray(decay_logits(cfg), dtype)
     kuramoto = {
         "omega": _uniform(next(keys), (N,), omega_bound, dtype),
         "coupling_u": _uniform(next(keys), (N, cfg.coupling_rank), 1.0, dtype),
@@ -177,7 +191,7 @@ def _dtypes(params: Params, ex: Execution):
 def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, ex: Execution, forms: select.Forms,
                mm_dtype):
     """Causal linear attention at every level l (features elu1(· + ω_l), carry decay γ_l when
-    cfg.carry_decay is set), mixed by softmax(level_logits), with the carried (S, z) the
+    cfg.carry_decay is set, learned per head with cfg.learn_carry_decay), mixed by softmax(level_logits), with the carried (S, z) the
     levels' mean (docs/spec.md §3.1)."""
     B, C, D = x_BxCxD.shape
     acc = S_BxHxdxd.dtype
@@ -185,7 +199,7 @@ def _attention(p, x_BxCxD, S_BxHxdxd, z_BxHxd, reset_BxC, cfg: EngineConfig, ex:
     qf, kf, v_BxHxCxd = forms.qkv_features(x_BxCxD.astype(acc), w_Dx3xD, p["b_qkv"], omega_L, cfg.n_heads, mm_dtype)
     mix_L = jax.nn.softmax(p["level_logits"])
     a_BxHxCxd, S, z = forms.level_attention(qf, kf, v_BxHxCxd, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L,
-                                            ex.attn_block_size, forms.linear_attention, cfg.carry_decay)
+                                            ex.attn_block_size, forms.linear_attention, carry_decay(p, cfg))
     a_BxCxD = a_BxHxCxd.transpose(0, 2, 1, 3).reshape(B, C, D)
     return mixed.einsum("bcd,de->bce", a_BxCxD, p["w_out"], mm_dtype, acc) + p["b_out"], S, z
 

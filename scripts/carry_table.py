@@ -117,6 +117,8 @@ TABLES = {
                                                              ladder(10)]),
         ("decay ladder h=32, streamed, K=4", [*bptt(4), *NO_RESET, ladder(32)]),
         ("running sum, streamed, K=4", [*bptt(4), *NO_RESET, *RUNNING_SUM]),
+        ("learned decay from ladder h=10, streamed, K=4", [*bptt(4), *NO_RESET, ladder(10),
+                                                           "model.learn_carry_decay=true"]),
     ]),
 }
 TIMED = {"study", "carry"}   # tables whose rows get equal wall time (--minutes), not their own steps

@@ -33,6 +33,9 @@ def move_off_init(params, key, scale=0.3):
     moe["b1"] = 0.1 * jax.random.normal(next(keys), moe["b1"].shape, moe["b1"].dtype)
     moe["b2"] = 0.1 * jax.random.normal(next(keys), moe["b2"].shape, moe["b2"].dtype)
     blocks["moe"] = moe
+    if "decay_logit" in attn:   # a learned carry decay: every head its own γ
+        attn["decay_logit"] = attn["decay_logit"] + 0.5 * jax.random.normal(
+            jax.random.fold_in(key, 1), attn["decay_logit"].shape, attn["decay_logit"].dtype)
     out = dict(params)
     out["blocks"] = blocks
     if "atom_feat" in params:

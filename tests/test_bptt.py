@@ -37,14 +37,16 @@ def unrolled_grads(params, carry, inputs, targets, cfg, K):
     return jax.jit(jax.grad(loss))(params)
 
 
-@pytest.mark.parametrize("accum, K, decay", [(4, 2, None), (6, 3, "0.8,0.95")],
-                         ids=["accum4-K2", "accum6-K3-carry-decay"])
+@pytest.mark.parametrize("accum, K, decay", [(4, 2, None), (6, 3, "0.8,0.95"), (4, 2, "learned")],
+                         ids=["accum4-K2", "accum6-K3-carry-decay", "accum4-K2-learned-carry-decay"])
 def test_bptt_gradients_are_autodiff_of_the_unrolled_chunks_in_float64(accum, K, decay):
     """Several groups of K chunks: the detach between groups, the grouping and the mean over
     the step's chunks, against jax.grad of the chunks written out (with the carry that
-    forgets too); each broken variant of that definition is caught at the same tolerance."""
-    cfg = tiny(f"accum={accum}", f"bptt_chunks={K}", "model.capacity_factor=none",
-               *([f"model.carry_decay={decay}"] if decay else []))
+    forgets too, fixed or learned: the learned γ's gradient crosses the chunks as well); each
+    broken variant of that definition is caught at the same tolerance."""
+    decay_set = {None: [], "learned": ["model.carry_decay=0.8,0.95", "model.learn_carry_decay=true"]}.get(
+        decay, [f"model.carry_decay={decay}"])
+    cfg = tiny(f"accum={accum}", f"bptt_chunks={K}", "model.capacity_factor=none", *decay_set)
     detached = cfg_lib.apply_overrides(cfg, ["bptt_chunks=1"])
     B, C = cfg.batch_size, cfg.seq_len
     with jax.enable_x64(True):
@@ -80,6 +82,8 @@ def test_bptt_gradients_are_autodiff_of_the_unrolled_chunks_in_float64(accum, K,
         grads["detached"], want)
     moved = [name for name, r in jax.tree.leaves(rel, is_leaf=lambda x: isinstance(x, tuple)) if r > 1e-6]
     assert any("attn" in name for name in moved) and len(moved) >= 5, rel
+    if decay == "learned":
+        assert any("decay_logit" in name for name in moved), rel
 
 
 def test_bptt_chunks_must_divide_accum():

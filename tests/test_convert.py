@@ -211,6 +211,49 @@ def test_a_decayed_run_exports_with_a_warning_and_imports_its_decay(corpus_file,
              tmp_path / "other", "the file's carry_decay is [0.8, 0.95]", "--set model.carry_decay=0.8,0.95")
 
 
+def test_a_learned_decay_exports_its_weights_and_imports_them(trained, corpus_file, tmp_path, capsys):
+    """learn_carry_decay: attn.decay_logit is a weight. The export holds it and its config the
+    switch, and says that the PyTorch trainers' engine would refuse it; the reference engine
+    built from that config loads it strictly and gives the run's logits; import brings the
+    trained weight back, and refuses the switch for a file without it."""
+    trained_pt = trained[2]
+    cfg = tiny(corpus_file, DECAY, "model.learn_carry_decay=true", "max_steps=2")
+    train(cfg, tmp_path / "run")
+    assert cli(["export", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "d.pt")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: learn_carry_decay is set" in err and "attn.decay_logit" in err, err
+    blob = torch.load(tmp_path / "d.pt", weights_only=True)
+    assert blob["config"]["learn_carry_decay"] is True
+    snap = run.load_run(tmp_path / "run", with_opt=False)
+    logit = np.asarray(snap.params["blocks"]["attn"]["decay_logit"])
+    assert logit.shape == (cfg.model.n_layers, cfg.model.n_levels, cfg.model.n_heads)
+    assert np.abs(logit - model.decay_logits(cfg.model)).max() > 1e-4, "the decay is trained"
+    np.testing.assert_array_equal(blob["model_state"]["blocks.1.attn.decay_logit"].numpy(), logit[1])
+
+    corpus = np.fromfile(corpus_file, "<u2")
+    ids = LaneReader(corpus, cfg.batch_size, cfg.seq_len).read(blob["start_token_next"])[0][0, :, :-1]
+    logits_j, _, _ = jax.jit(model.forward_chunk, static_argnums=3)(snap.params, snap.carry, ids, cfg.model)
+    ref = FractusEngine(**blob["config"])
+    ref.load_state_dict(blob["model_state"], strict=True)
+    with torch.no_grad():
+        logits_t = ref(torch.from_numpy(ids.astype(np.int64)))[0].numpy()
+    np.testing.assert_allclose(np.asarray(logits_j), logits_t, rtol=1e-4, atol=1e-4)
+    fixed = {k: v for k, v in blob["config"].items() if k != "learn_carry_decay"}
+    with pytest.raises(RuntimeError, match="decay_logit"):
+        FractusEngine(**fixed).load_state_dict(blob["model_state"], strict=True)
+
+    argv = ["import", "--pt", str(tmp_path / "d.pt"), "--config", "tiny", "--set", f"corpus={corpus_file}"]
+    assert cli([*argv, "--out", str(tmp_path / "back")]) == 0, capsys.readouterr().err
+    assert "learns the carry decay from the file's attn.decay_logit" in capsys.readouterr().err
+    back = run.load_run(tmp_path / "back", with_opt=False)
+    assert back.cfg.model.learn_carry_decay and back.cfg.model.carry_decay == (0.8, 0.95)
+    np.testing.assert_array_equal(np.asarray(back.params["blocks"]["attn"]["decay_logit"]), logit)
+
+    _refused(capsys, ["import", "--pt", str(trained_pt), "--config", "tiny", "--set", f"corpus={corpus_file}",
+                      "--set", DECAY, "--set", "model.learn_carry_decay=true", "--out", str(tmp_path / "other")],
+             tmp_path / "other", "holds no learned carry decay", "learn_carry_decay=true")
+
+
 # What the training loss never reaches (no features fed): PyTorch's optimizers skip them, and so does the trainer.
 UNREACHED = {"confidence_head.weight", "confidence_head.bias", "salience_head.weight", "salience_head.bias",
              "atom_feat.weight", "atom_feat.bias"}

@@ -39,9 +39,14 @@ def _chunks(cfg, seed):
     return ids, feats, probe
 
 
+HEADS_AVERAGED = "one learned γ per level"
+
+
 def _torch_engine(cfg, params, state, dtype, decay="as cfg"):
+    """The reference engine holding params and state; decay: the reference's carry_decay
+    ("as cfg": the config's), or HEADS_AVERAGED: the learned decay_logit averaged over heads."""
     kwargs = cfg.torch_kwargs()
-    if decay != "as cfg":
+    if decay not in ("as cfg", HEADS_AVERAGED):
         kwargs["carry_decay"] = decay
     ref = FractusEngine(**kwargs).to(dtype)
     sd = {**convert.params_to_torch(params, cfg), **convert.state_to_torch(state, cfg)}
@@ -49,6 +54,11 @@ def _torch_engine(cfg, params, state, dtype, decay="as cfg"):
     # The tied head must stay one tensor: load observe.weight only through itself.
     tensors["output_head.weight"] = tensors["observe.weight"]
     ref.load_state_dict(tensors, strict=True)
+    if decay == HEADS_AVERAGED:
+        with torch.no_grad():
+            for block in ref.blocks:
+                block.attn.decay_logit.copy_(block.attn.decay_logit.mean(1, keepdim=True).expand_as(
+                    block.attn.decay_logit))
     return ref
 
 
@@ -119,20 +129,28 @@ def _assert_not_trivial(out):
         assert np.abs(c["logits"][0]).max() > 1e-3 and c["lb"][0] > 0
 
 
-@pytest.mark.parametrize("variant", ["atom", "parent", "atom, carry decay"])
+@pytest.mark.parametrize("variant", ["atom", "parent", "atom, carry decay", "atom, learned carry decay"])
 def test_float64_forward_state_and_gradients_match(variant):
     """The engines in float64 over three chunks; "carry decay": the carry that forgets
-    (carry_decay, one γ per level), which the reference engine computes from its config."""
+    (carry_decay, one γ per level), which the reference engine computes from its config;
+    "learned": γ = sigmoid(decay_logit), a weight with one γ per level and head (moved off
+    its init so that the heads differ), its gradient compared with the others."""
     decay = (0.8, 0.95) if "decay" in variant else None
+    learned = "learned" in variant
     variant = variant.split(",")[0]
     cfg = config.tiny(variant=variant, capacity_factor=None, bos_id=config.ATOM_BOS if variant == "atom" else None,
-                      carry_decay=decay)
+                      carry_decay=decay, learn_carry_decay=learned)
     with jax.enable_x64(True):
         out = _run_both(cfg, "float64", ex=config.Execution(attn_block_size=4))
         if decay is not None:
-            # The comparison can fail: the reference without the decay computes another function.
-            undecayed = _run_both(cfg, "float64", ex=config.Execution(attn_block_size=4), torch_decay=None)
-            assert np.abs(undecayed[2]["logits"][0] - undecayed[2]["logits"][1]).max() > 1e-3
+            # The comparison can fail: the reference without the decay (learned: with one γ
+            # per level, the heads' mean logit) computes another function.
+            control = _run_both(cfg, "float64", ex=config.Execution(attn_block_size=4),
+                                torch_decay=HEADS_AVERAGED if learned else None)
+            assert np.abs(control[2]["logits"][0] - control[2]["logits"][1]).max() > 1e-3
+    if learned:
+        grad_t = out[2]["grads"][1]["blocks.0.attn.decay_logit"]
+        assert np.abs(grad_t).min() > 0, "every level and head's γ gets a gradient"
     _assert_not_trivial(out)
     worst = dict.fromkeys(("logits", "state", "phases", "gradients"), 0.0)
     for c, chunk in enumerate(out):

@@ -186,6 +186,29 @@ def test_decay_per_leading_axis_and_its_gradients():
         A.linear_attention(*inputs, block_size=4, decay=jnp.ones(3))
 
 
+def test_gradient_of_a_learned_decay_per_slice():
+    """γ as an input (a learned decay, one per leading slice, under a sigmoid): the chunkwise
+    kernel's gradient with respect to its logit equals the position scan's and finite
+    differences, with resets and a padded last block, float64."""
+    inputs = _attn_inputs(jax.random.PRNGKey(7), 3, 11, 3, reset=jnp.zeros((3, 11), bool).at[1, 6].set(True))
+    logit = jnp.asarray([0.5, 2.0, 3.5])
+
+    def loss(attention):
+        def f(lg):
+            y, S, z = attention(*inputs, decay=jax.nn.sigmoid(lg))
+            return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.cos(S)) + jnp.sum(jnp.sin(z))
+        return f
+
+    fast = loss(functools.partial(A.linear_attention, block_size=4))
+    g_fast = jax.jit(jax.grad(fast))(logit)
+    g_ref = jax.jit(jax.grad(loss(A.linear_attention_reference)))(logit)
+    assert float(jnp.abs(g_ref).min()) > 1e-3     # every slice's γ reaches the loss
+    np.testing.assert_allclose(g_fast, g_ref, rtol=1e-10, atol=1e-12)
+    check_grads(jax.jit(fast), (logit,), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+    # The test can fail: the slices' gradients differ, so a kernel that shared one γ could not pass.
+    assert float(jnp.abs(g_ref[0] - g_ref[2])) > 1e-3
+
+
 def test_farey_phases():
     want = [0, 0.8378, 1.5708, 2.3562, 3.1416, 3.9270, 4.7124, 5.4454]
     np.testing.assert_allclose(M.farey_phases(8), want, atol=1e-4)
@@ -437,6 +460,10 @@ def _form_cases():
         "level_attention, decayed": ((qf, kf, v, S, z), (reset, jax.nn.softmax(rnd(L)), 5, plain.linear_attention,
                                                          (0.8, 0.95))),
         "linear_attention, decayed": ((qf[0], kf[0], v, S, z), (reset[:, None, :], 64, 0.9)),
+        # a learned decay: one γ per level and head
+        "level_attention, decayed per head": ((qf, kf, v, S, z), (reset, jax.nn.softmax(rnd(L)), 5,
+                                                                  plain.linear_attention,
+                                                                  jax.nn.sigmoid(2.0 + rnd(L, H)))),
     }
 
 
@@ -445,7 +472,8 @@ def _outputs(out):
     return [jnp.stack(o) if isinstance(o, tuple) else o for o in (out if isinstance(out, tuple) else (out,))]
 
 
-@pytest.mark.parametrize("case", [*select.Forms._fields, "level_attention, decayed", "linear_attention, decayed"])
+@pytest.mark.parametrize("case", [*select.Forms._fields, "level_attention, decayed", "linear_attention, decayed",
+                                  "level_attention, decayed per head"])
 def test_each_cpu_form_computes_its_plain_form_in_float64(case):
     """kernels/cpu.py form by form against kernels/plain.py: outputs and the gradient of
     every differentiable input in float64, and the two are different programs."""

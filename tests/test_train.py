@@ -439,6 +439,26 @@ def test_an_unknown_key_suggests_the_nearest_field():
     assert "did you mean" not in str(e.value) and "fields:" in str(e.value)
 
 
+def test_carry_decay_settings_that_cannot_work_are_refused():
+    """carry_decay: one γ in (0, 1] per level; learn_carry_decay needs where its weights start,
+    below 1 (γ = sigmoid(logit) never reaches it). A saved config without either reads as the
+    running sum the run computed."""
+    tiny = cfg_lib.load_config("tiny")
+    for bad, msg in (("model.carry_decay=0.9", "2 attention levels"),
+                     ("model.carry_decay=0.9,x", "one number per attention level"),
+                     ("model.carry_decay=0.9,1.5", r"in \(0, 1\]"),
+                     ("model.learn_carry_decay=true", "needs carry_decay"),
+                     ("model.carry_decay=0.9,1 model.learn_carry_decay=true", "must start below 1")):
+        with pytest.raises(cfg_lib.ConfigError, match=msg):
+            cfg_lib.apply_overrides(tiny, bad.split())
+    learned = cfg_lib.apply_overrides(tiny, ["model.carry_decay=0.9,0.96", "model.learn_carry_decay=true"])
+    assert learned.model.torch_kwargs()["learn_carry_decay"] is True
+    assert "learn_carry_decay" not in tiny.model.torch_kwargs() and "carry_decay" not in tiny.model.torch_kwargs()
+    saved = {k: v for k, v in dataclasses.asdict(tiny.model).items() if k not in ("carry_decay", "learn_carry_decay")}
+    said = []
+    assert EngineConfig.from_dict(saved, unknown="error", log=said.append) == tiny.model and not said
+
+
 def test_a_missing_config_file_is_named_as_given(tmp_path):
     missing = str(tmp_path / "cfg.py")
     with pytest.raises(cfg_lib.ConfigError) as e:

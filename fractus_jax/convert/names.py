@@ -52,6 +52,9 @@ ATOM_PER_BLOCK = (
     (("kuramoto", "phase_proj", "weight"), "kuramoto.phase_proj.weight"),
     (("kuramoto", "phase_proj", "bias"), "kuramoto.phase_proj.bias"),
 )
+LEARNED_DECAY_PER_BLOCK = (   # EngineConfig.learn_carry_decay: γ = sigmoid(decay_logit), (L, H)
+    (("attn", "decay_logit"), "attn.decay_logit"),
+)
 TIED_HEAD = "output_head.weight"  # the same tensor as observe.weight
 
 # Carried state buffers (docs/spec.md §2): names and how they map to the JAX state dict.
@@ -74,7 +77,8 @@ def top_level(cfg: EngineConfig):
 
 
 def per_block(cfg: EngineConfig):
-    return PER_BLOCK + (ATOM_PER_BLOCK if cfg.is_atom else ())
+    return (PER_BLOCK + (ATOM_PER_BLOCK if cfg.is_atom else ())
+            + (LEARNED_DECAY_PER_BLOCK if cfg.learn_carry_decay else ()))
 
 
 def block_key(i: int, name: str) -> str:

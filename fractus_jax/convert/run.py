@@ -77,6 +77,10 @@ def decay_warning(model) -> Optional[str]:
     running sum, so it loads these weights strictly and computes another function."""
     if model.carry_decay is None:
         return None
+    if model.learn_carry_decay:
+        return ("learn_carry_decay is set: every block's attn.decay_logit is a weight the PyTorch trainers' "
+                "engine does not have; it would refuse these weights in a strict load. "
+                "fractus_jax.reference.FractusEngine(**config) computes this function.")
     return (f"carry_decay={','.join(f'{g:g}' for g in model.carry_decay)} is set: the file's config records it, "
             "but the PyTorch trainers' engine has no carry decay; it would load these weights and compute "
             "another function. fractus_jax.reference.FractusEngine(**config) computes this one.")
@@ -120,7 +124,7 @@ def _check_tensors(ck: files.TorchCheckpoint, sd: dict, cfg: TrainConfig, log: L
             raise ConversionError(f"{ck.path}: the file's config differs in what decides the weights "
                                   f"({'; '.join(wrong)}); choose a matching --config or --set model.FIELD=VALUE")
         soft = [k for k in (*model.torch_kwargs(), "capacity_factor")
-                if k not in (*WEIGHT_FIELDS, names.GATE_TEMPERATURE, CARRY_DECAY) and k in ck.config
+                if k not in (*WEIGHT_FIELDS, names.GATE_TEMPERATURE, CARRY_DECAY, LEARN_CARRY_DECAY) and k in ck.config
                 and ck.config[k] != getattr(model, k)]
         for k in soft:
             log(f"{ck.path}: the file's {k} is {ck.config[k]!r}, the config's {getattr(model, k)!r} applies")
@@ -130,23 +134,33 @@ def _check_tensors(ck: files.TorchCheckpoint, sd: dict, cfg: TrainConfig, log: L
         log(f"{ck.path}: tensors stored as {', '.join(dtypes)} become float32 in the run")
 
 
-CARRY_DECAY = "carry_decay"
+CARRY_DECAY, LEARN_CARRY_DECAY = "carry_decay", "learn_carry_decay"
 
 
 def _with_carry_decay(ck: files.TorchCheckpoint, cfg: TrainConfig, log: Log) -> TrainConfig:
     """The config with the file's carry decay: recorded by an export of a decayed run, it is
-    part of the function the weights were trained in. A config that sets another is refused."""
+    part of the function the weights were trained in (learned: its weights are in the file,
+    and the config's carry_decay only says where they started). A config that sets another
+    is refused."""
     recorded = (ck.config or {}).get(CARRY_DECAY)
+    learned = bool((ck.config or {}).get(LEARN_CARRY_DECAY, False))
     model = cfg.model
+    if model.learn_carry_decay and not learned:
+        raise ConversionError(f"{ck.path} holds no learned carry decay (its config has no {LEARN_CARRY_DECAY}): "
+                              f"import without --set model.{LEARN_CARRY_DECAY}=true")
     if recorded is None:
         if model.carry_decay is not None:
             log(f"{ck.path} records no carry_decay (the PyTorch trainers' running sum); the config's "
                 f"carry_decay {list(model.carry_decay)} applies, another function of these weights")
         return cfg
     try:
-        decayed = model.replace(carry_decay=recorded)
+        decayed = model.replace(carry_decay=recorded, learn_carry_decay=learned)
     except ValueError as e:
         raise ConversionError(f"{ck.path}: the file's carry_decay {recorded!r}: {e}") from None
+    if learned:
+        if not model.learn_carry_decay:
+            log(f"{ck.path}: the run learns the carry decay from the file's attn.decay_logit weights")
+        return dataclasses.replace(cfg, model=decayed)
     if model.carry_decay is None:
         log(f"{ck.path}: the run computes the file's carry_decay {list(decayed.carry_decay)}")
         return dataclasses.replace(cfg, model=decayed)

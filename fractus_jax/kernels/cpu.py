@@ -109,7 +109,7 @@ def level_attention(qf, kf, v, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L, block_size,
     a, S_sum, z_sum = 0.0, 0.0, 0.0
     for l in range(n_levels):
         y, S_l, z_l = linear_attention(qf[l], kf[l], v, S_BxHxdxd, z_BxHxd, reset_BxC[:, None, :], block_size,
-                                       decay=None if decay_L is None else decay_L[l])
+                                       decay=plain.level_decay(decay_L, S_BxHxdxd.dtype, l))
         a, S_sum, z_sum = a + mix_L[l] * y, S_sum + S_l, z_sum + z_l
     return a, S_sum / n_levels, z_sum / n_levels
 

@@ -68,13 +68,27 @@ def linear_attention(qf, kf, v, S0, z0, reset, block_size, decay=None):
     return attn_k.linear_attention(qf, kf, v, S0, z0, reset, block_size=block_size, decay=decay)
 
 
+def level_decay(decay_L, dtype, level=None):
+    """decay_L ((L,) or (L, H)) as the decay of the kernel's leading axes: (L, 1, H) for
+    every level's (L, B, H) slices, or level `level`'s (1, H) for its (B, H) slices."""
+    if decay_L is None:
+        return None
+    if level is not None and isinstance(decay_L, tuple):
+        return decay_L[level]            # the config's constant γ_l
+    d = jnp.asarray(decay_L, dtype)
+    if level is not None:
+        d = d[level]
+        return d[None] if d.ndim == 1 else d
+    return d[:, None] if d.ndim == 2 else d
+
+
 def level_attention(qf, kf, v, S_BxHxdxd, z_BxHxd, reset_BxC, mix_L, block_size, linear_attention, decay_L=None):
     """Σ_l mix_l · attention of level l, and the levels' mean new (S, z). qf and kf hold
     the levels on their first axis (an array, or a sequence of arrays); every level reads
-    the same v and the same carried state. decay_L: level l's carry decay γ_l, or None."""
+    the same v and the same carried state. decay_L: the carry decay, None, γ_l per level
+    (L,) or per level and head (L, H)."""
     qf, kf = jnp.stack(qf), jnp.stack(kf)
     y, S_L, z_L = linear_attention(qf, kf, jnp.broadcast_to(v, qf.shape), S_BxHxdxd, z_BxHxd,
-                                   reset_BxC[:, None, :], block_size,
-                                   decay=None if decay_L is None else jnp.asarray(decay_L, S_BxHxdxd.dtype))
+                                   reset_BxC[:, None, :], block_size, decay=level_decay(decay_L, S_BxHxdxd.dtype))
     return jnp.einsum("l,lbhcd->bhcd", mix_L, y), S_L.mean(0), z_L.mean(0)
 

@@ -20,13 +20,21 @@ def _uniform_(t: torch.Tensor, bound: float) -> torch.Tensor:
 class FractalAttention(nn.Module):
     """Causal multi-level linear attention with a carried (S, z) state (docs/spec.md §3.1)."""
 
-    def __init__(self, d_model: int, n_heads: int, d_head: int, n_levels: int, carry_decay=None):
+    def __init__(self, d_model: int, n_heads: int, d_head: int, n_levels: int, carry_decay=None,
+                 learn_carry_decay: bool = False):
         super().__init__()
         self.d_model, self.n_heads, self.d_head, self.n_levels = d_model, n_heads, d_head, n_levels
         # One γ per level (a constant of the function, not a weight), or None: the parent's sum.
+        # Learned: the weight decay_logit (L, H) starts at logit(γ_l), γ = sigmoid(decay_logit).
         self.carry_decay = None if carry_decay is None else tuple(float(g) for g in carry_decay)
         if self.carry_decay is not None and len(self.carry_decay) != n_levels:
             raise ValueError(f"carry_decay has {len(self.carry_decay)} values for {n_levels} levels")
+        self.learn_carry_decay = bool(learn_carry_decay)
+        if self.learn_carry_decay:
+            if self.carry_decay is None or max(self.carry_decay) >= 1.0:
+                raise ValueError("learn_carry_decay needs carry_decay, each γ below 1")
+            g = torch.tensor(self.carry_decay, dtype=torch.get_default_dtype())
+            self.decay_logit = nn.Parameter(torch.logit(g)[:, None].repeat(1, n_heads))
         D = d_model
         self.w_qkv = nn.Parameter(torch.empty(3, D, D))
         self.b_qkv = nn.Parameter(torch.zeros(3, D))
@@ -53,6 +61,12 @@ class FractalAttention(nn.Module):
             S_bd[:, h * dH:(h + 1) * dH, h * dH:(h + 1) * dH] = S[:, h]
         return S_bd, z.reshape(B, H * dH)
 
+    def decay(self, l: int):
+        """Level l's γ: None, a number, or one per head (H,) when learned."""
+        if self.learn_carry_decay:
+            return torch.sigmoid(self.decay_logit[l])
+        return None if self.carry_decay is None else self.carry_decay[l]
+
     def forward(self, x: torch.Tensor, S_bd: torch.Tensor, z_bd: torch.Tensor,
                 reset: Optional[torch.Tensor] = None):
         """x = LN_attn(h) (B, C, D). Returns (a·w_out + b_out, new S (B,D,D), new z (B,D)),
@@ -72,8 +86,7 @@ class FractalAttention(nn.Module):
         S_fin, z_fin = [], []
         for l in range(self.n_levels):
             w = self.level_offsets[l]
-            y, S_l, z_l = Fn.loop_attention(Fn.elu1(q + w), Fn.elu1(k + w), v, S0, z0, reset,
-                                            None if self.carry_decay is None else self.carry_decay[l])
+            y, S_l, z_l = Fn.loop_attention(Fn.elu1(q + w), Fn.elu1(k + w), v, S0, z0, reset, self.decay(l))
             a = mix[l] * y if a is None else a + mix[l] * y
             S_fin.append(S_l)
             z_fin.append(z_l)
@@ -167,11 +180,12 @@ class FractusBlock(nn.Module):
 
     def __init__(self, *, d_model, n_heads, d_head, n_levels, n_oscillators, coupling_rank,
                  n_experts, top_k, expert_d_ff, siren_rank, variant, gate_temperature,
-                 kuramoto_steps, kuramoto_dt, kuramoto_damping, moe_kappa, ln_eps, carry_decay=None):
+                 kuramoto_steps, kuramoto_dt, kuramoto_damping, moe_kappa, ln_eps, carry_decay=None,
+                 learn_carry_decay=False):
         super().__init__()
         self.variant = variant
         self.d_model, self.n_oscillators = d_model, n_oscillators
-        self.attn = FractalAttention(d_model, n_heads, d_head, n_levels, carry_decay)
+        self.attn = FractalAttention(d_model, n_heads, d_head, n_levels, carry_decay, learn_carry_decay)
         self.norm_attn = nn.LayerNorm(d_model, eps=ln_eps)
         self.kuramoto = Kuramoto(d_model, n_oscillators, coupling_rank, variant,
                                  kuramoto_dt, kuramoto_damping, kuramoto_steps)

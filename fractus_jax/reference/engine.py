@@ -23,7 +23,8 @@ class FractusEngine(nn.Module):
                  variant: str = "atom", gate_temperature: float = 2.5, kuramoto_steps: int = 1,
                  kuramoto_dt: float = 0.1, kuramoto_damping: float = 0.01,
                  moe_kappa: float = 4.0, ln_eps: float = 1e-5, bos_id: Optional[int] = BOS,
-                 atom_feat_dim: int = FEAT_DIM, carry_decay: Optional[Sequence[float]] = None, **_ignored):
+                 atom_feat_dim: int = FEAT_DIM, carry_decay: Optional[Sequence[float]] = None,
+                 learn_carry_decay: bool = False, **_ignored):
         super().__init__()
         if variant not in ("atom", "parent"):
             raise ValueError(f"variant must be 'atom' or 'parent', got {variant!r}")
@@ -47,7 +48,8 @@ class FractusEngine(nn.Module):
                          siren_rank=siren_rank, variant=variant,
                          gate_temperature=gate_temperature, kuramoto_steps=kuramoto_steps,
                          kuramoto_dt=kuramoto_dt, kuramoto_damping=kuramoto_damping,
-                         moe_kappa=moe_kappa, ln_eps=ln_eps, carry_decay=carry_decay)
+                         moe_kappa=moe_kappa, ln_eps=ln_eps, carry_decay=carry_decay,
+                         learn_carry_decay=learn_carry_decay)
             for _ in range(n_layers)])
         self.confidence_head = nn.Linear(D, 1)
         self.salience_head = nn.Linear(D, 1)

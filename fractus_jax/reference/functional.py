@@ -76,7 +76,8 @@ def loop_attention(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
     qf, kf, v: (B, H, C, dH) (features already applied); S0: (B, H, dH, dH) with
     S[i, j] = Σ kf[i]·v[j]; z0: (B, H, dH); reset: optional (B, C) bool, True where the
     row's state entering that position is zero (a document start); decay: the carry's γ
-    (S_t = γ·S_{t-1} + kf_t⊗v_t, z likewise), None for the parent's running sum.
+    (S_t = γ·S_{t-1} + kf_t⊗v_t, z likewise), a number or one per head (H,), None for the
+    parent's running sum.
     Returns y (B, H, C, dH) and the state after the last position (S_C, z_C).
     """
     B, H, C, dH = qf.shape
@@ -88,7 +89,10 @@ def loop_attention(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor,
             S = torch.where(r[..., None], torch.zeros_like(S), S)
             z = torch.where(r, torch.zeros_like(z), z)
         k_t, v_t, q_t = kf[:, :, t], v[:, :, t], qf[:, :, t]
-        if decay is not None:
+        if torch.is_tensor(decay):          # one γ per head
+            g = decay.view(1, H, 1)
+            S, z = g[..., None] * S, g * z
+        elif decay is not None:
             S, z = decay * S, decay * z
         S = S + k_t[..., :, None] * v_t[..., None, :]
         z = z + k_t
