@@ -21,7 +21,6 @@ of S over one chunk, |S_k − S_{k−1}| / |S_{k−1}|: how much of the state th
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import sys
@@ -33,9 +32,9 @@ import numpy as np
 
 from fractus_jax import model
 from fractus_jax.atom.features import FEATURE_CONTEXT, atom_features
-from fractus_jax.eval import count_bytes, score_chunk
+from fractus_jax.scoring import count_bytes, score_chunk
 from fractus_jax.train import checkpoint as ckpt_lib
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train.errors import TrainError
 from fractus_jax.train.rundir import CheckpointError
 
@@ -57,9 +56,9 @@ def horizon(run_dir: Path, warms: list[int], lanes: int, target_chunks: int) -> 
     params, engine = ckpt_lib.load_for_inference(run_dir, step)
     engine = engine.for_inference()
     ex = cfg.execution.for_inference()
-    _, val = plan_lib.split_corpus(plan_lib.open_training_corpus(cfg, progress=False), cfg.val_fraction)
+    _, val = prepare_lib.split_corpus(prepare_lib.open_training_corpus(cfg, progress=False), cfg.val_fraction)
     if cfg.val_corpus:
-        val = plan_lib.open_val_corpus(cfg)
+        val = prepare_lib.open_val_corpus(cfg)
     if val is None:
         raise TrainError(f"{run_dir}: its config holds nothing out (val_fraction, val_corpus)")
     C, W, M = cfg.seq_len, max(warms), target_chunks
@@ -164,7 +163,7 @@ def main(argv=None) -> int:
         r = results[label]
         print(f"{label}: " + ", ".join(f"w={w} {v:.3f}" for w, v in r["bpb"].items()) +
               f", fresh {r['bpb_fresh']:.3f} bits per byte ({r['n_bytes']} bytes)", file=sys.stderr, flush=True)
-    print(f"| run | " + " | ".join(f"warm {w}" for w in warms) + " | fresh every chunk |")
+    print("| run | " + " | ".join(f"warm {w}" for w in warms) + " | fresh every chunk |")
     print("|---|" + "---|" * (len(warms) + 1))
     for label, r in results.items():
         print(f"| {label} | " + " | ".join(f"{v:.3f}" for v in r["bpb"].values()) + f" | {r['bpb_fresh']:.3f} |")

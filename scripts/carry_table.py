@@ -9,7 +9,7 @@ Each row trains the config from scratch (same seed, same lanes) into a temporary
 directory with the row's overrides, then reads the trainer's held-out score at its last
 step, each of the val_lanes lanes read chunk after chunk from a zero carry: val_bpb with
 the carry restarted on the row's schedule (as it trained), val_bpb_warm with the carry
-streamed along the whole lane, val_bpb_no_carry with every chunk from the initial carry. The bigram row (fractus_jax.eval.bigram, add-one) is fitted on the ids the
+streamed along the whole lane, val_bpb_no_carry with every chunk from the initial carry. The bigram row (fractus_jax.bigram, add-one) is fitted on the ids the
 lanes read and scores the same targets with the same denominator. --table picks the
 lanes' shape (batch_size x seq_len, set on the config before anything else) and its rows.
 Rows set every field they vary, so the table does not depend on the config's current
@@ -39,7 +39,7 @@ from fractus_jax.config import decay_ladder
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import probes as probes_lib
 from fractus_jax.train.errors import TrainError
 from fractus_jax.train.heldout import HeldOut, bigram_baseline
@@ -116,6 +116,7 @@ TABLES = {
         ("decay ladder h=10, 64-id chunks, streamed, K=1", ["batch_size=16", "seq_len=64", *bptt(1), *NO_RESET,
                                                              ladder(10)]),
         ("decay ladder h=32, streamed, K=4", [*bptt(4), *NO_RESET, ladder(32)]),
+        ("decay ladder h=4, streamed, K=4", [*bptt(4), *NO_RESET, ladder(4)]),
         ("running sum, streamed, K=4", [*bptt(4), *NO_RESET, *RUNNING_SUM]),
         ("learned decay from ladder h=10, streamed, K=4", [*bptt(4), *NO_RESET, ladder(10),
                                                            "model.learn_carry_decay=true"]),
@@ -144,7 +145,7 @@ def run_timed_row(base: cfg_lib.TrainConfig, overrides: list[str], workdir: Path
     cfg = cfg_lib.apply_overrides(cfg, [f"deadline={time.time() + 60 * minutes:.0f}"])
     records = loop.run_quietly(cfg, workdir)
     params, _ = ckpt_lib.load_for_inference(workdir)
-    train, val = plan_lib.split_corpus(plan_lib.open_training_corpus(cfg, progress=False), cfg.val_fraction)
+    train, val = prepare_lib.split_corpus(prepare_lib.open_training_corpus(cfg, progress=False), cfg.val_fraction)
     held = HeldOut(cfg, val).run(params)
     prober = probes_lib.Prober(cfg, train)
     speech = prober.run(params)

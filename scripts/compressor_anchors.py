@@ -25,7 +25,7 @@ import numpy as np
 
 from fractus_jax.atom import stream
 from fractus_jax.train import config as cfg_lib
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train.errors import TrainError
 from fractus_jax.train.heldout import val_slice
 
@@ -43,10 +43,10 @@ def anchors(data: bytes) -> dict:
 
 def held_out_bytes(cfg) -> dict:
     """{"scored": bytes of the first val_ids held-out ids, "held out": bytes of the whole part}."""
-    corpus = plan_lib.open_training_corpus(cfg, progress=False)
-    _, val = plan_lib.split_corpus(corpus, cfg.val_fraction)
+    corpus = prepare_lib.open_training_corpus(cfg, progress=False)
+    _, val = prepare_lib.split_corpus(corpus, cfg.val_fraction)
     if cfg.val_corpus:
-        val = plan_lib.open_val_corpus(cfg)
+        val = prepare_lib.open_val_corpus(cfg)
     if val is None:
         raise cfg_lib.ConfigError("the config holds nothing out: set val_fraction or val_corpus")
     return {"scored": stream.decode_bytes(np.asarray(val_slice(cfg, val))),

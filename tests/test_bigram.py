@@ -1,14 +1,15 @@
-"""The bigram count baseline (fractus_jax.eval.bigram): counts, the formula, the denominator."""
+"""The bigram count baseline (fractus_jax.bigram): counts, the formula, the denominator."""
 import json
 import math
 
 import numpy as np
 import pytest
 
+from fractus_jax import bigram
 from fractus_jax.atom import encode
 from fractus_jax.atom.ids import BOS, EOS, VOCAB
-from fractus_jax.eval import bigram, lane_targets
 from fractus_jax.eval.bigram.__main__ import main as bigram_cli
+from fractus_jax.lanes import lane_targets
 
 
 def test_counts_every_adjacent_pair_once_across_blocks():

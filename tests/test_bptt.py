@@ -10,7 +10,7 @@ import fractus_jax as fj
 from fractus_jax import model, sharding
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
 from engine_testing import move_off_init, restore_state
@@ -95,7 +95,7 @@ def test_bptt_chunks_must_divide_accum():
 
 
 def _train(cfg, workdir):
-    return loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
+    return loop.run(prepare_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
 
 
 def _state(workdir, cfg, step=None):

@@ -10,7 +10,7 @@ from fractus_jax import model, sharding
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import step as step_lib
 
@@ -136,7 +136,7 @@ def test_reset_draws_are_a_function_of_seed_and_step(corpus_file):
 
 
 def _train(cfg, workdir):
-    return loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
+    return loop.run(prepare_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
 
 
 def _restore(workdir, cfg):

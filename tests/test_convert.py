@@ -19,18 +19,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fractus_jax import convert, model  # noqa: E402
+from fractus_jax import model  # noqa: E402
 from fractus_jax.config import WEIGHT_FIELDS  # noqa: E402
+from fractus_jax.convert import state_dicts  # noqa: E402
 from fractus_jax.convert import files, names, optim, run  # noqa: E402
 from fractus_jax.convert.__main__ import main as cli  # noqa: E402
+from fractus_jax.lanes import LaneReader  # noqa: E402
 from fractus_jax.reference import FractusEngine  # noqa: E402
 from fractus_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from fractus_jax.train import config as cfg_lib  # noqa: E402
 from fractus_jax.train import loop  # noqa: E402
-from fractus_jax.train import plan as plan_lib  # noqa: E402
+from fractus_jax.train import prepare as prepare_lib  # noqa: E402
 from fractus_jax.train import state as state_lib  # noqa: E402
 from fractus_jax.train import step as step_lib  # noqa: E402
-from fractus_jax.train.data import LaneReader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +41,7 @@ def tiny(corpus_file, *overrides):
 
 
 def train(cfg, workdir):
-    plan = plan_lib.prepare(cfg, workdir, progress=False)
+    plan = prepare_lib.prepare(cfg, workdir, progress=False)
     loop.run(plan, progress=False, log=lambda m: None)
     return plan
 
@@ -271,10 +272,10 @@ def _torch_steps(engine, opt, grads, cfg, first_step):
 
 def _jax_steps(params, opt_state, grads, cfg, first_step):
     tx = state_lib.make_optimizer(cfg, params)
-    shapes = convert.expected_shapes(cfg.model)
+    shapes = state_dicts.expected_shapes(cfg.model)
     for k, g in enumerate(grads):
         sd = {n: g.get(n, np.zeros(s, np.float32)) for n, s in shapes.items()}
-        tree = convert.params_from_torch(sd, cfg.model)
+        tree = state_dicts.params_from_torch(sd, cfg.model)
         updates, opt_state = tx.update(tree, opt_state, params)
         lr = optim.scheduled_lr(cfg, first_step + k)
         params = optax.apply_updates(params, jax.tree.map(lambda u: lr * u, updates))
@@ -354,7 +355,7 @@ def _float64_step(engine, opt, ids, cfg, step):
 def _step_figures(jax_state, engine, opt, before, cfg):
     """name → {update, exp_avg, exp_avg_sq} of one step on each side (numpy), and the
     unreached parameters checked bitwise untouched on both sides, with no moments on either."""
-    after = convert.params_to_torch(jax_state["params"], cfg.model)
+    after = state_dicts.params_to_torch(jax_state["params"], cfg.model)
     exported = optim.optimizer_to_torch(jax_state["opt_state"], jax_state["params"], cfg, int(jax_state["step"]))["state"]
     theirs = opt.state_dict()["state"]
     torch_after = {n: p.detach().numpy() for n, p in engine.named_parameters()}
@@ -402,9 +403,9 @@ def _assert_within(figures: dict, bound: float, what: str) -> float:
 
 def _broken(jax_state, before, cfg):
     """The trainer's step with its update scaled by 1 + BROKEN_UPDATE: a deliberately wrong run."""
-    after = convert.params_to_torch(jax_state["params"], cfg.model)
+    after = state_dicts.params_to_torch(jax_state["params"], cfg.model)
     wrong = {n: before[n] + (1.0 + BROKEN_UPDATE) * (a - before[n]) if n in before else a for n, a in after.items()}
-    return {**jax_state, "params": convert.params_from_torch(wrong, cfg.model)}
+    return {**jax_state, "params": state_dicts.params_from_torch(wrong, cfg.model)}
 
 
 def _assert_one_step_alike(before, torch_side, jax32: dict, torch64, jax64, cfg) -> dict:
@@ -442,7 +443,7 @@ def test_a_pytorch_adamw_run_hands_off_to_one_trainer_step(corpus_file, tmp_path
     snap = run.load_run(tmp_path / "run", with_opt=True)
     assert snap.step == 3 and int(optim.find_moments(snap.opt_state).count) == 3
     before = {n: p.detach().numpy().copy() for n, p in engine.named_parameters()}
-    for k, v in convert.params_to_torch(snap.params, cfg.model).items():
+    for k, v in state_dicts.params_to_torch(snap.params, cfg.model).items():
         np.testing.assert_array_equal(v, before.get(k, v), err_msg=k)
     jax64, torch64 = _jax_train_step(snap, batches[3], x64=True), _float64_step(engine, opt, batches[3], cfg, 3)
     jax32 = {k: _jax_train_step(snap, batches[3], kernels=k) for k in FLOAT32_BOUND}
@@ -493,7 +494,7 @@ def test_sgd_momentum_maps_both_ways(trained):
     sgd = cfg_lib.apply_overrides(cfg, ["optimizer=sgd", "lr=7e-4"])
     params = run.load_run(run_dir, with_opt=False).params
     engine = FractusEngine(**sgd.model.torch_kwargs())
-    engine.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in convert.params_to_torch(params, sgd.model).items()},
+    engine.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state_dicts.params_to_torch(params, sgd.model).items()},
                            strict=False)
     grads = _grads(engine, 2, seed=2)
     params1, opt_state = _jax_steps(params, state_lib.make_optimizer(sgd, params).init(params), grads[:1], sgd, 10)
@@ -502,14 +503,14 @@ def test_sgd_momentum_maps_both_ways(trained):
     template = state_lib.make_optimizer(sgd, params).init(params)
     _assert_trees_equal(optim.optimizer_from_torch(sd, template, params1, sgd, "x.opt", print), opt_state)
     # One more step on both sides from the mapped state agrees.
-    engine.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in convert.params_to_torch(params1, sgd.model).items()},
+    engine.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state_dicts.params_to_torch(params1, sgd.model).items()},
                            strict=False)
     opt = torch.optim.SGD(engine.parameters(), lr=sgd.lr, momentum=sgd.momentum)
     opt.load_state_dict(sd)
     _torch_steps(engine, opt, grads[1:], sgd, 11)
     params2, _ = _jax_steps(params1, opt_state, grads[1:], sgd, 11)
     now = {k: v.numpy() for k, v in engine.state_dict().items()}
-    for k, v in convert.params_to_torch(params2, sgd.model).items():
+    for k, v in state_dicts.params_to_torch(params2, sgd.model).items():
         np.testing.assert_allclose(v, now[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 

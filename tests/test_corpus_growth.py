@@ -14,7 +14,7 @@ from fractus_jax.eval.__main__ import main as eval_main
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.errors import TrainError
 
@@ -39,7 +39,7 @@ def tiny(corpus, *overrides):
 
 
 def train(cfg, workdir, log=lambda m: None):
-    return loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=log)
+    return loop.run(prepare_lib.prepare(cfg, workdir, progress=False), progress=False, log=log)
 
 
 def params_at(workdir, cfg, step):
@@ -66,7 +66,7 @@ def test_a_run_resumes_across_an_append_and_reads_the_new_text_from_the_next_pas
     grows = build([a], tmp_path / "grows.u16")
     n_a = open_corpus(grows).n_ids
     cfg = tiny(grows, "max_steps=7", "save_every=3")
-    assert plan_lib.steps_per_pass(n_a, cfg) == 3
+    assert prepare_lib.steps_per_pass(n_a, cfg) == 3
 
     # the reference: corpus A throughout
     train(cfg, tmp_path / "straight")
@@ -74,7 +74,7 @@ def test_a_run_resumes_across_an_append_and_reads_the_new_text_from_the_next_pas
     train(tiny(grows, "max_steps=2", "save_every=2"), tmp_path / "split")
     build([a, b], grows)
     n_ab = open_corpus(grows).n_ids
-    assert plan_lib.steps_per_pass(n_ab, cfg) == 9
+    assert prepare_lib.steps_per_pass(n_ab, cfg) == 9
     logs = []
     train(cfg, tmp_path / "split", log=logs.append)
 
@@ -115,7 +115,7 @@ def test_a_run_resumes_across_an_append_and_reads_the_new_text_from_the_next_pas
     before = sorted(p.name for p in (tmp_path / "split").rglob("*"))
     with pytest.raises(TrainError, match=r"split: the corpus is not the one the checkpoint at step 7 trained on.*"
                                          r"grows\.u16: its ids differ from the \d+ recorded"):
-        plan_lib.prepare(tiny(grows, "max_steps=9"), tmp_path / "split", progress=False)
+        prepare_lib.prepare(tiny(grows, "max_steps=9"), tmp_path / "split", progress=False)
     assert sorted(p.name for p in (tmp_path / "split").rglob("*")) == before
 
 
@@ -132,68 +132,68 @@ def test_a_changed_or_shorter_corpus_is_refused_and_an_old_record_resumes_as_bef
     recorded = write_ids(tmp_path / "a.u16", ids).identity()
     manifest = {"step": 5, "corpus": recorded}
     assert set(recorded) == {"path", "n_ids", "size", "mtime", "sha256"}
-    plan_lib.check_corpus(tmp_path, manifest, write_ids(tmp_path / "a.u16", ids))
-    plan_lib.check_corpus(tmp_path, manifest, write_ids(tmp_path / "a.u16", np.r_[ids, [1, 2, 3]]))
+    prepare_lib.check_corpus(tmp_path, manifest, write_ids(tmp_path / "a.u16", ids))
+    prepare_lib.check_corpus(tmp_path, manifest, write_ids(tmp_path / "a.u16", np.r_[ids, [1, 2, 3]]))
     changed = ids.copy()
     changed[7] = 9
     for bad, words in ((np.r_[changed, [1, 2, 3]], "its first 400 ids differ from the 400 recorded"),
                        (changed, "its ids differ from the 400 recorded"),
                        (ids[:-1], "has 399 ids, fewer than the 400 recorded")):
         with pytest.raises(TrainError, match="a.u16") as e:
-            plan_lib.check_corpus(tmp_path, manifest, write_ids(tmp_path / "a.u16", bad))
+            prepare_lib.check_corpus(tmp_path, manifest, write_ids(tmp_path / "a.u16", bad))
         assert words in str(e.value) and "step 5" in str(e.value)
     # a record from before corpora could grow (no sha256): its length must match, as it had to
     old = {"step": 5, "corpus": {k: v for k, v in recorded.items() if k != "sha256"}}
-    plan_lib.check_corpus(tmp_path, old, write_ids(tmp_path / "a.u16", ids))
+    prepare_lib.check_corpus(tmp_path, old, write_ids(tmp_path / "a.u16", ids))
     with pytest.raises(TrainError, match="has 403 ids, the record has 400 and no digest"):
-        plan_lib.check_corpus(tmp_path, old, write_ids(tmp_path / "a.u16", np.r_[ids, [1, 2, 3]]))
+        prepare_lib.check_corpus(tmp_path, old, write_ids(tmp_path / "a.u16", np.r_[ids, [1, 2, 3]]))
 
 
 def test_the_held_out_range_stays_where_the_run_started_when_the_corpus_grows(tmp_path):
     ids = np.arange(1000) % 250
     corpus = write_ids(tmp_path / "a.u16", ids)
-    train, val = plan_lib.split_corpus(corpus, 0.1)
+    train, val = prepare_lib.split_corpus(corpus, 0.1)
     assert (train.n_ids, train.held, val.start, val.n_ids) == (900, (900, 1000), 900, 100)
     meta = {"step": 3, "corpus": corpus.identity(), "train_ids": train.n_ids, "held_out": val.describe()}
     grown = write_ids(tmp_path / "a.u16", np.r_[ids, 1000 + np.arange(300) % 10])
-    train, val = plan_lib.resumed_parts(meta, grown, 0.1)
+    train, val = prepare_lib.resumed_parts(meta, grown, 0.1)
     # the pass under way reads what it read; the held-out ids are the same ones
     assert train.n_ids == 900 and (val.start, val.n_ids) == (900, 100)
     np.testing.assert_array_equal(train.ids, ids[:900])
     np.testing.assert_array_equal(val.ids, ids[900:])
     # the next pass reads the training stream of the grown corpus: around the held-out range
-    nxt = plan_lib.next_pass_part(train, 2000, log=None, reopen=False)
+    nxt = prepare_lib.next_pass_part(train, 2000, log=None, reopen=False)
     assert nxt.n_ids == 1200 and nxt.available() == 1200
     lanes = np.asarray(nxt.ids[0:1200])
     np.testing.assert_array_equal(lanes, np.r_[ids[:900], 1000 + np.arange(300) % 10])
     np.testing.assert_array_equal(np.asarray(nxt.ids[890:910]), np.r_[ids[890:900], 1000 + np.arange(10)])
     # a run from before the ranges were recorded held out the end of its corpus as it was
     old = {"step": 3, "corpus": {"n_ids": 1000}, "train_ids": 900}
-    train, val = plan_lib.resumed_parts(old, grown, 0.1)
+    train, val = prepare_lib.resumed_parts(old, grown, 0.1)
     assert (train.n_ids, train.held, val.start, val.n_ids) == (900, (900, 1000), 900, 100)
 
 
 def test_a_new_pass_keeps_the_open_corpus_when_the_file_changed_otherwise(tmp_path):
     ids = np.arange(400) % 250
-    train, _ = plan_lib.split_corpus(write_ids(tmp_path / "a.u16", ids), 0.0)
+    train, _ = prepare_lib.split_corpus(write_ids(tmp_path / "a.u16", ids), 0.0)
     logs = []
-    assert plan_lib.next_pass_part(train, 266, logs.append).corpus is train.corpus and not logs   # unchanged
+    assert prepare_lib.next_pass_part(train, 266, logs.append).corpus is train.corpus and not logs   # unchanged
     write_ids(tmp_path / "a.u16", np.r_[ids[::-1], ids])   # rebuilt, not appended to
-    nxt = plan_lib.next_pass_part(train, 266, logs.append)
+    nxt = prepare_lib.next_pass_part(train, 266, logs.append)
     assert nxt.corpus is train.corpus and nxt.n_ids == 400
     assert len(logs) == 1 and logs[0].startswith("warning: the next pass reads") and "differ" in logs[0]
     write_ids(tmp_path / "a.u16", np.r_[ids, [300]])   # appended, with an id outside the vocabulary
-    nxt = plan_lib.next_pass_part(train, 266, logs.append)
+    nxt = prepare_lib.next_pass_part(train, 266, logs.append)
     assert nxt.n_ids == 400 and "id 300 at offset 400" in logs[-1]
     write_ids(tmp_path / "a.u16", np.r_[ids, [5, 6]])
-    nxt = plan_lib.next_pass_part(train, 266, logs.append)
+    nxt = prepare_lib.next_pass_part(train, 266, logs.append)
     assert nxt.n_ids == 402 and nxt.corpus is not train.corpus and len(logs) == 2
 
 
 def test_eval_scores_the_runs_held_out_range_on_the_grown_corpus(tmp_path):
     ids = np.arange(1000) % 250
     corpus = write_ids(tmp_path / "a.u16", ids)
-    train, val = plan_lib.split_corpus(corpus, 0.1)
+    train, val = prepare_lib.split_corpus(corpus, 0.1)
     cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [f"corpus={tmp_path / 'a.u16'}", "val_fraction=0.1"])
     meta = {"corpus": corpus.identity(), "train_ids": train.n_ids, "held_out": val.describe()}
     write_ids(tmp_path / "a.u16", np.r_[ids, np.arange(500) % 7])

@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fractus_jax as fj  # noqa: E402
-from fractus_jax import config, convert, model  # noqa: E402
+from fractus_jax import config, model  # noqa: E402
+from fractus_jax.convert import state_dicts  # noqa: E402
 from fractus_jax.reference import FractusEngine  # noqa: E402
 from fractus_jax.reference import functional as Fn  # noqa: E402
 from engine_testing import move_off_init  # noqa: E402
@@ -49,7 +50,7 @@ def _torch_engine(cfg, params, state, dtype, decay="as cfg"):
     if decay not in ("as cfg", HEADS_AVERAGED):
         kwargs["carry_decay"] = decay
     ref = FractusEngine(**kwargs).to(dtype)
-    sd = {**convert.params_to_torch(params, cfg), **convert.state_to_torch(state, cfg)}
+    sd = {**state_dicts.params_to_torch(params, cfg), **state_dicts.state_to_torch(state, cfg)}
     tensors = {k: torch.from_numpy(np.array(v)).to(dtype) for k, v in sd.items()}
     # The tied head must stay one tensor: load observe.weight only through itself.
     tensors["output_head.weight"] = tensors["observe.weight"]
@@ -105,9 +106,9 @@ def _run_both(cfg, dtype_name, seed=0, ex=config.TINY_EXECUTION, torch_decay="as
         out.append(dict(
             logits=(np.asarray(logits_j), logits_t.detach().numpy()),
             lb=(float(aux.lb), lb_t.item()),
-            state=(convert.state_to_torch(state, cfg, last_lb_loss=float(aux.lb)),
+            state=(state_dicts.state_to_torch(state, cfg, last_lb_loss=float(aux.lb)),
                    {k: v.numpy() for k, v in ref.state_dict().items()}),
-            grads=(convert.params_to_torch(grads_j, cfg), grads_t),
+            grads=(state_dicts.params_to_torch(grads_j, cfg), grads_t),
             routes=(np.asarray(aux.expert_idx), np.stack(routes_t[-cfg.n_layers:])),
         ))
     return out
@@ -226,34 +227,34 @@ def test_export_loads_strictly_and_round_trips():
     params = fj.init_params(cfg, jax.random.PRNGKey(1))
     state = fj.init_state(cfg, 2)
     _, _, state = fj.forward_chunk(params, state, jnp.ones((2, 5), jnp.int32), cfg)
-    sd = {**convert.params_to_torch(params, cfg), **convert.state_to_torch(state, cfg)}
+    sd = {**state_dicts.params_to_torch(params, cfg), **state_dicts.state_to_torch(state, cfg)}
     ref = FractusEngine(**cfg.torch_kwargs())
     missing, unexpected = ref.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in sd.items()},
                                               strict=True)
     assert not missing and not unexpected
-    back = convert.params_from_torch(ref.state_dict(), cfg)
+    back = state_dicts.params_from_torch(ref.state_dict(), cfg)
     chex.assert_trees_all_equal(params, back)
-    state_back = convert.state_from_torch(ref.state_dict(), cfg)
+    state_back = state_dicts.state_from_torch(ref.state_dict(), cfg)
     chex.assert_trees_all_equal(state, state_back)
     # A fresh reference differs, so the round trip above is not trivially true.
-    fresh = convert.params_from_torch(FractusEngine(**cfg.torch_kwargs()).state_dict(), cfg)
+    fresh = state_dicts.params_from_torch(FractusEngine(**cfg.torch_kwargs()).state_dict(), cfg)
     assert np.abs(fresh["blocks"]["attn"]["w_qkv"] - back["blocks"]["attn"]["w_qkv"]).max() > 0
 
 
 def test_params_from_torch_refuses_mismatches():
     cfg = config.tiny()
-    sd = convert.params_to_torch(fj.init_params(cfg, jax.random.PRNGKey(0)), cfg)
-    with pytest.raises(convert.ConversionError, match="vocab"):
-        convert.params_from_torch(sd, cfg.replace(vocab_size=300))
+    sd = state_dicts.params_to_torch(fj.init_params(cfg, jax.random.PRNGKey(0)), cfg)
+    with pytest.raises(state_dicts.ConversionError, match="vocab"):
+        state_dicts.params_from_torch(sd, cfg.replace(vocab_size=300))
     bad = dict(sd)
     del bad["blocks.1.moe.U1"]
     bad["blocks.0.extra"] = np.zeros(2)
-    with pytest.raises(convert.ConversionError, match=r"missing tensors: blocks\.1\.moe\.U1.*unexpected tensors: blocks\.0\.extra"):
-        convert.params_from_torch(bad, cfg)
+    with pytest.raises(state_dicts.ConversionError, match=r"missing tensors: blocks\.1\.moe\.U1.*unexpected tensors: blocks\.0\.extra"):
+        state_dicts.params_from_torch(bad, cfg)
     bad = dict(sd)
     bad["blocks.0.attn.w_out"] = np.zeros((3, 3))
-    with pytest.raises(convert.ConversionError, match=r"blocks\.0\.attn\.w_out.*\(3, 3\).*\(32, 32\)"):
-        convert.params_from_torch(bad, cfg)
+    with pytest.raises(state_dicts.ConversionError, match=r"blocks\.0\.attn\.w_out.*\(3, 3\).*\(32, 32\)"):
+        state_dicts.params_from_torch(bad, cfg)
     prefixed = {"_orig_mod." + k: v for k, v in sd.items()}
-    back = convert.params_from_torch(prefixed, cfg)
+    back = state_dicts.params_from_torch(prefixed, cfg)
     np.testing.assert_array_equal(back["observe"], sd["observe.weight"])

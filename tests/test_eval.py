@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 import fractus_jax
-from fractus_jax import atom, model
+from fractus_jax import atom, model, scoring
 from fractus_jax.atom.features import FEATURE_CONTEXT
 from fractus_jax.config import tiny as tiny_engine
-from fractus_jax import eval as eval_lib
 from fractus_jax.eval.__main__ import main as eval_main
+from fractus_jax.lanes import lane_layout, lane_targets
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 
 from tensorboard_testing import assert_curves_are_the_log, read_event_files
 
@@ -37,7 +37,7 @@ def run(corpus_file, tmp_path_factory):
     """(cfg, run dir, plan): the tiny config, 6 steps, the last tenth of the corpus held out."""
     workdir = tmp_path_factory.mktemp("eval") / "run"
     cfg = tiny(corpus_file, *VAL)
-    plan = plan_lib.prepare(cfg, workdir, progress=False)
+    plan = prepare_lib.prepare(cfg, workdir, progress=False)
     loop.run(plan, progress=False, log=lambda m: None)
     return cfg, workdir, plan
 
@@ -92,27 +92,27 @@ def test_the_score_is_a_plain_loop_over_forward_chunk(run):
     _, workdir, plan = run
     params, cfg = ckpt_lib.load_for_inference(workdir)
     ids = np.asarray(plan.val.ids[:1500])
-    got = eval_lib.score(params, cfg, ids, lanes=3, chunk=16)
+    got = scoring.score(params, cfg, ids, lanes=3, chunk=16)
     ce, ce0, n = plain_loop(params, cfg, ids, 3, 16)
     assert got.n_ids == n == 3 * 31 * 16
     assert abs(got.ce - ce) <= 1e-5 and abs(got.ce_no_carry - ce0) <= 1e-5
     assert got.ce == got.ce_warm   # no carry schedule: the carry as trained is the warm one
     # the carry carries something: a trained model scores the two ways apart
     assert abs(got.ce - got.ce_no_carry) > 1e-3
-    targets = eval_lib.lane_targets(ids, 3, 16)
-    assert got.n_bytes == eval_lib.count_bytes(targets)
+    targets = lane_targets(ids, 3, 16)
+    assert got.n_bytes == scoring.count_bytes(targets)
     assert got.bpb == pytest.approx(got.nats / math.log(2) / got.n_bytes, rel=1e-12)
 
 
-@pytest.mark.parametrize("schedule", [eval_lib.CarrySchedule(every=4), eval_lib.CarrySchedule(prob=0.3),
-                                      eval_lib.CarrySchedule(every=5, prob=0.2),
-                                      eval_lib.CarrySchedule(every=1, span=4),
-                                      eval_lib.CarrySchedule(every=2, prob=0.4, span=3)])
+@pytest.mark.parametrize("schedule", [scoring.CarrySchedule(every=4), scoring.CarrySchedule(prob=0.3),
+                                      scoring.CarrySchedule(every=5, prob=0.2),
+                                      scoring.CarrySchedule(every=1, span=4),
+                                      scoring.CarrySchedule(every=2, prob=0.4, span=3)])
 def test_a_carry_schedule_restarts_the_lanes_it_names_and_no_others(run, schedule):
     _, workdir, plan = run
     params, cfg = ckpt_lib.load_for_inference(workdir)
     ids = np.asarray(plan.val.ids[:1500])
-    got = eval_lib.score(params, cfg, ids, lanes=3, chunk=16, schedule=schedule)
+    got = scoring.score(params, cfg, ids, lanes=3, chunk=16, schedule=schedule)
     restarts = schedule.resets(31, 3)
     assert 0 < restarts[1:].sum() < restarts[1:].size      # some lanes restart, not all
     ce, ce0, _ = plain_loop(params, cfg, ids, 3, 16, restarts)
@@ -131,7 +131,7 @@ def test_the_logged_score_of_a_run_with_features_and_restarts_is_a_plain_loop(co
     carry every 3 steps, against the plain loop with the features and the restarts written
     out by hand (chunks 0, 3, 6, ... from a zero carry), not through the Scorer."""
     cfg = tiny(corpus_file, *VAL, "feats=true", "carry_reset_every=3", "max_steps=3", "val_ids=768")
-    plan = plan_lib.prepare(cfg, tmp_path / "run", progress=False)
+    plan = prepare_lib.prepare(cfg, tmp_path / "run", progress=False)
     loop.run(plan, progress=False, log=lambda m: None)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = [m for m in lines if "val_ce" in m][-1]
@@ -153,8 +153,8 @@ def test_a_run_that_restarts_its_carry_every_step_is_scored_from_a_zero_carry(ru
     _, workdir, plan = run
     params, cfg = ckpt_lib.load_for_inference(workdir)
     ids = np.asarray(plan.val.ids[:1000])
-    plain = eval_lib.score(params, cfg, ids, lanes=2, chunk=16)
-    every = eval_lib.score(params, cfg, ids, lanes=2, chunk=16, schedule=eval_lib.CarrySchedule(every=1))
+    plain = scoring.score(params, cfg, ids, lanes=2, chunk=16)
+    every = scoring.score(params, cfg, ids, lanes=2, chunk=16, schedule=scoring.CarrySchedule(every=1))
     assert every.ce == every.ce_no_carry == plain.ce_no_carry and every.ce_warm == plain.ce_warm
     assert every.bpb == every.bpb_no_carry and every.to_json()["carry_reset_every"] == 1
 
@@ -220,21 +220,21 @@ def test_bits_per_byte_counts_bytes_not_characters_or_ids():
     assert ids[0] == atom.BOS
     n_bytes = len(text.encode("utf-8"))
     assert n_bytes > len(text) and len(ids) > n_bytes   # bytes differ from characters and from ids
-    assert eval_lib.count_bytes(ids) == n_bytes
+    assert scoring.count_bytes(ids) == n_bytes
     cfg = tiny_engine()
     params = model.init_params(cfg, jax.random.PRNGKey(0))
     # one lane, one chunk over the whole stream: every id after the BOS is a target
-    got = eval_lib.score(params, cfg, ids, lanes=1, chunk=len(ids) - 1)
+    got = scoring.score(params, cfg, ids, lanes=1, chunk=len(ids) - 1)
     assert got.n_ids == len(ids) - 1 and got.n_bytes == n_bytes
     assert got.bpb == pytest.approx(got.nats / math.log(2) / n_bytes, rel=1e-12)
     # two lanes: what they do not cover (each lane's first id, the tail) is not counted
-    lanes = eval_lib.score(params, cfg, ids, lanes=2, chunk=8)
-    lane_len, n_chunks = eval_lib.lane_layout(len(ids), 2, 8)
+    two = scoring.score(params, cfg, ids, lanes=2, chunk=8)
+    lane_len, n_chunks = lane_layout(len(ids), 2, 8)
     uncovered = [ids[b * lane_len] for b in range(2)]
     uncovered += [i for b in range(2) for i in ids[b * lane_len + 1 + n_chunks * 8:(b + 1) * lane_len]]
     uncovered += list(ids[2 * lane_len:])
-    assert lanes.n_bytes == n_bytes - eval_lib.count_bytes(uncovered)
-    assert eval_lib.bits_per_byte(1.0, 0) is None
+    assert two.n_bytes == n_bytes - scoring.count_bytes(uncovered)
+    assert scoring.bits_per_byte(1.0, 0) is None
 
 
 def test_the_command_prints_one_json_line(run, held_out_file):
@@ -260,7 +260,7 @@ def test_refusals_exit_2_with_one_error_line(run, corpus_file, tmp_path, capsys)
     ids[777] = 300
     ids.tofile(bad)
     other = tmp_path / "other"
-    plan = plan_lib.prepare(tiny(corpus_file, "max_steps=1"), other, progress=False)
+    plan = prepare_lib.prepare(tiny(corpus_file, "max_steps=1"), other, progress=False)
     loop.run(plan, progress=False, log=lambda m: None)
     cases = [
         (["--ckpt", str(tmp_path / "nope")], ["nope", "not found"]),

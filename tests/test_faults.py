@@ -25,11 +25,11 @@ from fractus_jax.generate import main as generate_cli
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop, rundir
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import state as state_lib
+from fractus_jax.train.__main__ import main as train_cli
 from fractus_jax.train.errors import StalledError
 from fractus_jax.train.watch import SkipWatch
-from fractus_jax.train.__main__ import main as train_cli
 
 from tensorboard_testing import assert_curves_are_the_log, read_event_files
 
@@ -44,7 +44,7 @@ def tiny(corpus_file, *overrides):
 def train(cfg, workdir):
     """(last metrics, log lines) of the trainer on workdir, in this process."""
     logs = []
-    last = loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
+    last = loop.run(prepare_lib.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
     return last, logs
 
 
@@ -170,7 +170,7 @@ def test_a_real_kill_9_between_commit_and_manifest(runs, corpus_file, tmp_path):
     d = tmp_path / "run"
     code = textwrap.dedent(f"""
         import os, signal
-        from fractus_jax.train import checkpoint as ckpt_lib, config as cfg_lib, loop, plan as plan_lib
+        from fractus_jax.train import checkpoint as ckpt_lib, config as cfg_lib, loop, prepare as prepare_lib
         write = ckpt_lib.write_checksums
         def die_at_4(step_dir, finite):
             if step_dir.name == "4":
@@ -179,7 +179,7 @@ def test_a_real_kill_9_between_commit_and_manifest(runs, corpus_file, tmp_path):
         ckpt_lib.write_checksums = die_at_4
         cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"),
                                       ["corpus={corpus_file}", "save_every=2", "max_steps=4"])
-        loop.run(plan_lib.prepare(cfg, {str(d)!r}, progress=False), progress=False, log=print)
+        loop.run(prepare_lib.prepare(cfg, {str(d)!r}, progress=False), progress=False, log=print)
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
@@ -372,7 +372,7 @@ def test_a_second_writer_is_refused(runs, corpus_file, tmp_path, capsys):
         # grow and convert import refuse an --out that a trainer holds
         out = tmp_path / "out"
         with rundir.RunLock(_mk(out)):
-            from fractus_jax.train import grow_run
+            from fractus_jax.grow import run as grow_run
             state, meta = ckpt_lib.restore_one_device(d, 4, runs[0])
             with pytest.raises(rundir.RunDirBusy, match=f"{out} is in use by pid {os.getpid()}"):
                 grow_run._write(out, state, meta, d, 4, runs[0])

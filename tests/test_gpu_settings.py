@@ -19,13 +19,14 @@ from fractus_jax import generate as gen
 from fractus_jax import model, sharding
 from fractus_jax.eval.__main__ import main as eval_main
 from fractus_jax.kernels.loss import cross_entropy_terms
+from fractus_jax.lanes import LaneReader
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import rundir
 from fractus_jax.train import state as state_lib
-from fractus_jax.train.data import LaneReader, global_batch
+from fractus_jax.train.data import global_batch
 from fractus_jax.train.step import batch_shardings, jit_train_step
 
 GPU = ["execution.kernels=plain", "execution.compute_dtype=bfloat16", "execution.remat=true"]
@@ -49,7 +50,7 @@ def gpu_cfg(corpus_file, *more):
 
 
 def train(cfg, workdir):
-    plan = plan_lib.prepare(cfg, workdir, progress=False)
+    plan = prepare_lib.prepare(cfg, workdir, progress=False)
     loop.run(plan, progress=False, log=lambda m: None)
     return plan
 

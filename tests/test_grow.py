@@ -14,20 +14,20 @@ import numpy as np
 import pytest
 
 from fractus_jax import config as engine_cfg
-from fractus_jax import grow as grow_lib
+from fractus_jax import growth as engine_growth
 from fractus_jax import model
-from fractus_jax.grow import GrowthError, GrowthSpec
+from fractus_jax.grow import run as grow_run
 from fractus_jax.grow.__main__ import main as cli
+from fractus_jax.growth import GrowthError, GrowthSpec
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
-from fractus_jax.train import grow_run
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import loop
-from fractus_jax.train.errors import TrainError
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import objective
 from fractus_jax.train.config import MeshConfig, TrainConfig
+from fractus_jax.train.errors import TrainError
 
 from tensorboard_testing import assert_curves_are_the_log
 
@@ -44,7 +44,7 @@ def trained(corpus_file, tmp_path_factory):
     """(cfg, run dir at step 2)."""
     cfg = tiny(corpus_file, "max_steps=2", "save_every=2")
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    loop.run(plan_lib.prepare(cfg, run_dir, progress=False), progress=False, log=lambda m: None)
+    loop.run(prepare_lib.prepare(cfg, run_dir, progress=False), progress=False, log=lambda m: None)
     return cfg, run_dir
 
 
@@ -110,15 +110,15 @@ def test_expert_growth_changes_exactly_the_rerouted_tokens_in_one_block(source):
     state = {"params": params, "opt_state": state_lib.make_optimizer(cfg1, params).init(params),
              "carry": carry, "step": jnp.zeros((), jnp.int32), "skipped": jnp.zeros((), jnp.int32)}
     ids = source[2]
-    before = grow_lib.probe(params, carry, ids, cfg1.model)
-    hits = grow_lib.routing_demand(before[1], 8)
+    before = engine_growth.probe(params, carry, ids, cfg1.model)
+    hits = engine_growth.routing_demand(before[1], 8)
     new, new_cfg = growth_lib.grow_train_state(state, cfg1, GrowthSpec(add_experts=2), key=jax.random.PRNGKey(4),
                                                hits=hits)
     phases = np.asarray(new["params"]["blocks"]["moe"]["expert_phases"])[0]
     busiest = np.argsort(-hits[0], kind="stable")[:2]
     np.testing.assert_allclose(phases[8:], np.mod(phases[busiest] + 2 * math.pi / 8 / 4, 2 * math.pi), atol=1e-6)
-    after = grow_lib.probe(new["params"], new["carry"], ids, new_cfg.model)
-    change = grow_lib.compare_probe(before, after)
+    after = engine_growth.probe(new["params"], new["carry"], ids, new_cfg.model)
+    change = engine_growth.compare_probe(before, after)
     rerouted, changed = change["rerouted_mask"], change["changed_mask"]
     assert 0 < change["rerouted_fraction"] < 1 and change["rerouted_fraction"] == rerouted.mean()
     np.testing.assert_array_equal(changed, rerouted)           # exactly the rerouted tokens move
@@ -133,7 +133,7 @@ def test_expert_growth_changes_exactly_the_rerouted_tokens_in_one_block(source):
 
 def test_gradients_reach_the_new_parameters(source):
     cfg, state, ids = source
-    hits = grow_lib.routing_demand(grow_lib.probe(state["params"], state["carry"], ids, cfg.model)[1], 8)
+    hits = engine_growth.routing_demand(engine_growth.probe(state["params"], state["carry"], ids, cfg.model)[1], 8)
     new, new_cfg = growth_lib.grow_train_state(state, cfg, GrowthSpec(1, 2, 12), key=jax.random.PRNGKey(5),
                                                hits=hits)
     exact = TrainConfig(**{**new_cfg.__dict__, "model": new_cfg.model.replace(capacity_factor=None)})
@@ -146,7 +146,7 @@ def test_gradients_reach_the_new_parameters(source):
         out = {f"new layer {k}/{n}": np.asarray(v)[L:] for k, grp in b.items() for n, v in grp.items()
                if not isinstance(v, dict) and n not in model.BUFFER_NAMES}
         out.update({f"new expert {n}": np.asarray(v)[:L, E:] for n, v in b["moe"].items() if n != "expert_phases"})
-        out.update({f"new rank {n}": np.asarray(b["moe"][n])[:L, :E, ..., r:] for n in grow_lib.FACTORS})
+        out.update({f"new rank {n}": np.asarray(b["moe"][n])[:L, :E, ..., r:] for n in engine_growth.FACTORS})
         return out
 
     zero_init = ("new layer attn/w_out", "new layer attn/b_out", "new layer moe/U2", "new layer moe/b2",
@@ -215,7 +215,7 @@ def test_training_resumes_from_the_grown_directory(corpus_file, grown, tmp_path)
     manifest = ckpt_lib.read_manifest(work)
     shape = grow_run.resume_overrides(manifest["growth"])   # the grown shape, given explicitly
     cfg = tiny(corpus_file, "max_steps=3", *shape)
-    plan = plan_lib.prepare(cfg, work, progress=False)
+    plan = prepare_lib.prepare(cfg, work, progress=False)
     assert (plan.resume_step, plan.start_pos) == (2, manifest["start_token_next"])
     loop.run(plan, progress=False, log=lambda m: None)
     after = ckpt_lib.read_manifest(work)
@@ -236,7 +236,7 @@ def test_the_trainer_keeps_the_growth_history_in_later_manifests(corpus_file, gr
     shutil.copytree(out, work)
     manifest = ckpt_lib.read_manifest(work)
     cfg = tiny(corpus_file, "max_steps=3", *grow_run.resume_overrides(manifest["growth"]))
-    loop.run(plan_lib.prepare(cfg, work, progress=False), progress=False, log=lambda m: None)
+    loop.run(prepare_lib.prepare(cfg, work, progress=False), progress=False, log=lambda m: None)
     assert ckpt_lib.read_manifest(work).get("growth") == manifest["growth"]
 
 
@@ -258,7 +258,7 @@ def test_the_export_of_a_grown_run_loads_into_the_pytorch_reference(grown, tmp_p
     with torch.no_grad():
         logits_t, _ = ref(torch.from_numpy(ids.astype(np.int64)))
     state = grow_run.load_state(out, manifest["step"], cfg)
-    logits_j, _ = grow_lib.probe(state["params"], state["carry"], ids, cfg.model)
+    logits_j, _ = engine_growth.probe(state["params"], state["carry"], ids, cfg.model)
     np.testing.assert_allclose(logits_j, logits_t.numpy(), rtol=1e-4, atol=1e-4)
 
 
@@ -270,7 +270,7 @@ def test_growth_on_a_mesh_lands_on_the_grown_runs_shardings(source):
     mesh = sharding.make_mesh(1, 2)
     state = jax.device_put(source[1], state_lib.train_state_shardings(cfg, mesh))
     new_cfg = growth_lib.target_config(cfg, GrowthSpec(1, 2, 12))
-    phases = grow_lib.new_expert_phases(np.asarray(state["params"]["blocks"]["moe"]["expert_phases"]), 2)
+    phases = engine_growth.new_expert_phases(np.asarray(state["params"]["blocks"]["moe"]["expert_phases"]), 2)
     shardings = state_lib.train_state_shardings(new_cfg, mesh)
     got, _ = growth_lib.grow_train_state(state, cfg, new_cfg.model, key=jax.random.PRNGKey(1), new_phases=phases,
                                          mesh=mesh)
@@ -301,11 +301,11 @@ def test_sgd_momentum_grows_like_the_parameters(source):
 
 def test_new_expert_phases():
     phases = np.array([[0, 1.5, 2, 3, 4, 5, 5.5, 6.0], [0, .5, 1, 1.5, 2, 2.5, 3, 3.1]])
-    gap = grow_lib.new_expert_phases(phases, 2)      # no hits: the middle of the widest gap, twice
+    gap = engine_growth.new_expert_phases(phases, 2)      # no hits: the middle of the widest gap, twice
     np.testing.assert_allclose(gap[0], [0.75, 2.5])
     assert gap[1, 0] == pytest.approx((3.1 + 2 * math.pi) / 2)
     hits = np.array([[0, 5, 9, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 1]])
-    busy = grow_lib.new_expert_phases(phases, 2, hits)
+    busy = engine_growth.new_expert_phases(phases, 2, hits)
     q = 2 * math.pi / 8 / 4                          # a quarter of the mean spacing
     np.testing.assert_allclose(busy[0], [2 + q, 1.5 + q])
     # Layer 1 has one busy expert: the second new one goes to the widest gap.
@@ -381,14 +381,14 @@ def test_a_grown_run_resumes_from_its_original_command_line(corpus_file, grown, 
     manifest = ckpt_lib.read_manifest(work)
     cfg = tiny(corpus_file, f"max_steps={manifest['step'] + 1}")
     assert cfg.model.n_layers != manifest["config"]["model"]["n_layers"]
-    loop.run(plan_lib.prepare(cfg, work, progress=False), progress=False, log=lambda m: None)
+    loop.run(prepare_lib.prepare(cfg, work, progress=False), progress=False, log=lambda m: None)
     after = ckpt_lib.read_manifest(work)
     assert after["step"] == manifest["step"] + 1
     assert after["config"]["model"]["n_layers"] == manifest["config"]["model"]["n_layers"]
     # Another shape that no growth record explains is still refused.
     bad = tiny(corpus_file, "max_steps=9", "model.expert_d_ff=64")
     with pytest.raises(TrainError, match="differs"):
-        plan_lib.prepare(bad, work, progress=False)
+        prepare_lib.prepare(bad, work, progress=False)
 
 
 IN_PLACE = ["max_steps=4", "save_every=100", "grow_at=2", "grow.add_layers=1", "grow.siren_rank=12"]
@@ -399,7 +399,7 @@ def grown_in_place(corpus_file, tmp_path_factory):
     """A run the trainer grew in place at step 2 (+1 layer, rank 8 -> 12) and trained to step 4:
     it holds step 2 at the old shape and step 4 at the grown one. Tests that train on copy it."""
     work = tmp_path_factory.mktemp("in_place") / "run"
-    loop.run(plan_lib.prepare(tiny(corpus_file, *IN_PLACE), work, progress=False), progress=False, log=lambda m: None)
+    loop.run(prepare_lib.prepare(tiny(corpus_file, *IN_PLACE), work, progress=False), progress=False, log=lambda m: None)
     return work
 
 
@@ -421,7 +421,7 @@ def test_the_trainer_grows_in_place_at_grow_at(corpus_file, grown_in_place, tmp_
     assert meta["config"]["model"]["n_layers"] == 2
     # The same command line resumes the grown run, and does not grow it again.
     line[0] = "max_steps=5"
-    loop.run(plan_lib.prepare(tiny(corpus_file, *line), work, progress=False), progress=False, log=lambda m: None)
+    loop.run(prepare_lib.prepare(tiny(corpus_file, *line), work, progress=False), progress=False, log=lambda m: None)
     manifest = ckpt_lib.read_manifest(work)
     assert manifest["step"] == 5 and len(manifest["growth"]) == 1
     assert manifest["config"]["model"]["n_layers"] == 3

@@ -65,7 +65,7 @@ def reached(name):
 
 from orbax.checkpoint._src.path import async_path, atomicity
 from orbax.checkpoint._src.serialization import serialization
-from fractus_jax.train import checkpoint as ckpt_lib, loop, plan as plan_lib, rundir
+from fractus_jax.train import checkpoint as ckpt_lib, loop, prepare as prepare_lib, rundir
 from fractus_jax.train.config import TrainConfig
 
 # atomicity._create_tmp_directory: Orbax makes DIR/checkpoints/<step>.orbax-checkpoint-tmp
@@ -123,7 +123,7 @@ around(ckpt_lib, "write_checksums", lambda d, _: f"checksums {d.name}", lambda d
 around(rundir, "write_manifest", lambda _, m: f"manifest {m['step']}", lambda _, m: f"manifested {m['step']}")
 
 cfg = TrainConfig.from_dict(args["config"])
-loop.run(plan_lib.prepare(cfg, args["workdir"], progress=False), progress=False, log=print)
+loop.run(prepare_lib.prepare(cfg, args["workdir"], progress=False), progress=False, log=print)
 reached("done")
 if args["hold"] is None:
     time.sleep(3600)   # a kill at a random delay finds the process, however late it comes

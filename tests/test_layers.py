@@ -19,31 +19,28 @@ PACKAGE = "fractus_jax"
 # Lowest first. A module's layer is that of the longest name here equal to it or a package
 # above it; "fractus_jax" itself (the public engine API) is matched exactly.
 LAYERS = (
-    # no engine: dtypes, the host's malloc, the Atom id stream (ids, encoder, features, corpora)
-    ("fractus_jax.dtypes", "fractus_jax.hostmem", "fractus_jax.atom"),
+    # no engine: dtypes, the host's malloc, the Atom id stream (ids, encoder, features,
+    # corpora), the lanes a stream is read in
+    ("fractus_jax.dtypes", "fractus_jax.hostmem", "fractus_jax.atom", "fractus_jax.lanes"),
     # pure functions of arrays
     ("fractus_jax.kernels",),
     # the engine: its config, parameters and forward, the mesh layout, the Flax modules,
     # decoding, the PyTorch reference, and the analytic FLOPs of a config
     ("fractus_jax", "fractus_jax.config", "fractus_jax.model", "fractus_jax.sharding", "fractus_jax.nn",
      "fractus_jax.decode", "fractus_jax.reference", "fractus_jax.flops"),
-    # on the engine: held-out scoring, growth of the engine's arrays, PyTorch state dicts
-    ("fractus_jax.eval", "fractus_jax.grow", "fractus_jax.convert"),
+    # on the engine: held-out scoring, the bigram baseline, growth of the engine's arrays
+    ("fractus_jax.scoring", "fractus_jax.bigram", "fractus_jax.growth"),
     # the trainer: run directories, the step, the loop, and what works on runs
     ("fractus_jax.train",),
-    # on top: the shipped configs, the benchmarks, the command lines
-    ("fractus_jax.configs", "fractus_jax.bench", "fractus_jax.plan", "fractus_jax.generate"),
+    # on top: the shipped configs, the benchmarks, the command lines and what only they
+    # use (the converter to and from PyTorch files, growing a run directory)
+    ("fractus_jax.configs", "fractus_jax.bench", "fractus_jax.plan", "fractus_jax.generate", "fractus_jax.eval",
+     "fractus_jax.grow", "fractus_jax.convert"),
 )
 TOP = len(LAYERS) - 1
 
 # Library modules that sit above their package's layer, and why.
-ABOVE_THEIR_LAYER = {
-    # The converter's run-directory side: a run's checkpoints and the trainer's optax state
-    # to and from PyTorch files. They need torch, which the trainer does not, so they stay
-    # in convert, on top of train; nothing below the command lines imports them.
-    "fractus_jax.convert.run": TOP,
-    "fractus_jax.convert.optim": TOP,
-}
+ABOVE_THEIR_LAYER = {}
 
 # `importlib` reaching a module of this package, and why it stays.
 LAZY_LOADERS = {
@@ -209,6 +206,46 @@ def test_the_lazy_loaders_are_still_lazy_loaders():
         assert calls, f"{name} no longer loads a module lazily: drop it from LAZY_LOADERS"
 
 
+def _part(name: str) -> str:
+    """The top-level part a module belongs to: fractus_jax.X (a package or a module)."""
+    return ".".join(name.split(".")[:2])
+
+
+def part_cycles(extra=()) -> list[list[str]]:
+    """Cycles among the package's top-level parts, every import counted (command lines and
+    imports inside functions too): a part that imports another which imports it back is an
+    arrow pointing up in the package's top-level view. `extra`: (from, to) edges to add."""
+    edges: dict[str, set] = {}
+    for name in MODULES:
+        for target, _, _ in _imports(name):
+            if _own(target) and PACKAGE not in (_part(name), _part(target)) and _part(name) != _part(target):
+                edges.setdefault(_part(name), set()).add(_part(target))
+    for a, b in extra:
+        edges.setdefault(a, set()).add(b)
+    cycles, done = [], set()
+
+    def visit(node, path):
+        if node in path:
+            cycles.append(path[path.index(node):] + [node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(edges.get(node, ())):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for start in sorted(edges):
+        visit(start, [])
+    return cycles
+
+
+def test_no_part_of_the_package_imports_one_that_imports_it():
+    cycles = part_cycles()
+    assert not cycles, "parts of the package import each other:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    # Not vacuous: the trainer importing a command line's package would close a cycle.
+    assert part_cycles(extra=[("fractus_jax.train", "fractus_jax.eval")])
+
+
 BAD_SOURCE = """
 from fractus_jax.train import config
 import fractus_jax.train.step
@@ -221,7 +258,7 @@ def f():
 """
 
 
-@pytest.mark.parametrize("module", ["fractus_jax.eval", "fractus_jax.grow", "fractus_jax.convert.names"])
+@pytest.mark.parametrize("module", ["fractus_jax.scoring", "fractus_jax.growth", "fractus_jax.bigram"])
 def test_the_checks_report_what_they_forbid(module):
     """Not vacuous: the source above, read as a library module's, fails both checks on
     exactly the lines it should (torch and the torch-only reference are allowed inside f)."""
@@ -236,4 +273,27 @@ def test_torch_modules_are_the_ones_that_need_the_optional_dependency():
     """The inner-import exemption covers the torch side and nothing of the trainer."""
     assert {"fractus_jax.reference", "fractus_jax.convert.run", "fractus_jax.convert.optim"} <= NEEDS_OPTIONAL
     assert not {n for n in NEEDS_OPTIONAL if n.startswith(("fractus_jax.train", "fractus_jax.model",
-                                                           "fractus_jax.eval"))}
+                                                           "fractus_jax.scoring"))}
+
+
+def _console_scripts() -> dict[str, str]:
+    """pyproject's [project.scripts]: name → "module:function"."""
+    text = (ROOT / "pyproject.toml").read_text()
+    section = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    return {k.strip(): v.strip().strip('"') for k, v in
+            (line.split("=", 1) for line in section.splitlines() if "=" in line and not line.startswith("#"))}
+
+
+def test_every_command_line_has_a_console_script():
+    """`python -m fractus_jax.X` and `fractus-X` run the same main(): each script names a
+    module's top-level main, and every command line (each `__main__`, plan, generate) has one."""
+    scripts = _console_scripts()
+    for name, target in scripts.items():
+        module, function = target.split(":")
+        assert module in MODULES, f"{name} names {module}, which is not a module of the package"
+        defined = {n.name for n in TREES[module].body if isinstance(n, ast.FunctionDef)}
+        assert function in defined, f"{name}: {module} defines no top-level {function}()"
+    commands = {n for n in MODULES if n.endswith(".__main__") and n != f"{PACKAGE}.__main__"}
+    commands |= {f"{PACKAGE}.plan", f"{PACKAGE}.generate"}
+    missing = commands - {t.split(":")[0] for t in scripts.values()}
+    assert not missing, f"command lines without a console script in pyproject.toml: {sorted(missing)}"

@@ -284,13 +284,13 @@ def test_qkv_features_backward_equals_autodiff(mm_dtype):
 
 def _host_engine(cfg, B, seed=0):
     """Host (numpy) params and carry, as the converter hands them out, and a device twin."""
-    from fractus_jax import convert
+    from fractus_jax.convert import state_dicts
 
     params = move_off_init(fj.init_params(cfg, jax.random.PRNGKey(seed)), jax.random.PRNGKey(seed + 1))
     ids = np.asarray(jax.random.randint(jax.random.PRNGKey(seed + 2), (B, 11), 0, cfg.vocab_size), np.int32)
     _, _, state = model.forward_chunk(params, fj.init_state(cfg, B), ids, cfg)   # a carry that is not zero
-    sd = {**convert.params_to_torch(params, cfg), **convert.state_to_torch(state, cfg)}
-    host_params, host_state = convert.params_from_torch(sd, cfg), convert.state_from_torch(sd, cfg)
+    sd = {**state_dicts.params_to_torch(params, cfg), **state_dicts.state_to_torch(state, cfg)}
+    host_params, host_state = state_dicts.params_from_torch(sd, cfg), state_dicts.state_from_torch(sd, cfg)
     assert all(type(a) is np.ndarray for a in jax.tree.leaves((host_params, host_state)))
     return (host_params, host_state), (params, state), ids
 

@@ -12,10 +12,10 @@ from fractus_jax.kernels import moe as M
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
-from fractus_jax.train.errors import TrainError
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import reach
 from fractus_jax.train import watch
+from fractus_jax.train.errors import TrainError
 
 from engine_testing import assert_trained_alike, changed_leaves, move_off_init
 
@@ -122,7 +122,7 @@ def test_a_default_step_keeps_every_assignment(corpus_file, tmp_path, variant):
     if variant == "parent":
         overrides += ["model.variant=parent", "model.bos_id=none"]
     cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), overrides)
-    loop.run(plan_lib.prepare(cfg, tmp_path, progress=False), progress=False, log=lambda m: None)
+    loop.run(prepare_lib.prepare(cfg, tmp_path, progress=False), progress=False, log=lambda m: None)
     lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     keep = [m["keep_rate"] for m in lines if "keep_rate" in m]
     assert keep and min(keep) == 1.0
@@ -132,7 +132,7 @@ def test_a_capacity_that_drops_warns_naming_the_setting(corpus_file, tmp_path):
     cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [
         f"corpus={corpus_file}", "model.capacity_factor=0.5", "max_steps=6", "save_every=6", "log_every=1"])
     said = []
-    loop.run(plan_lib.prepare(cfg, tmp_path, progress=False), progress=False, log=said.append)
+    loop.run(prepare_lib.prepare(cfg, tmp_path, progress=False), progress=False, log=said.append)
     warnings = [s for s in said if "keep_rate" in s]
     assert len(warnings) == 1, said            # once, not on every step
     assert "model.capacity_factor=0.5" in warnings[0] and warnings[0].startswith("warning:")
@@ -161,7 +161,7 @@ def test_the_trained_function_does_not_depend_on_the_mesh(corpus_file, tmp_path,
             f"mesh.data={data}", f"mesh.fsdp={fsdp}", "max_steps=3", "save_every=3"])
         run = tmp_path / f"{data}x{fsdp}"
         with jax.default_matmul_precision("highest"):
-            loop.run(plan_lib.prepare(cfg, run, progress=False), progress=False, log=lambda m: None)
+            loop.run(prepare_lib.prepare(cfg, run, progress=False), progress=False, log=lambda m: None)
         params, _ = ckpt_lib.load_for_inference(run)
         weights[(data, fsdp)] = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
         lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
@@ -193,5 +193,5 @@ def test_a_capacity_group_spanning_devices_is_refused(corpus_file, tmp_path):
         f"corpus={corpus_file}", "batch_size=8", "model.capacity_factor=2", "model.moe_group_rows=2",
         "mesh.data=8"])
     with pytest.raises(TrainError, match=r"moe_group_rows=2 .*divide the 1 rows each of the 8 devices"):
-        plan_lib.prepare(cfg, tmp_path / "run", progress=False)
+        prepare_lib.prepare(cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()

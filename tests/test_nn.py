@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 import fractus_jax as fj
-from fractus_jax import config, convert, model
+from fractus_jax import config, model
+from fractus_jax.convert import state_dicts
 from fractus_jax.nn import Buffer, Carry, FractusEngine
 from engine_testing import move_off_init
 
@@ -90,8 +91,8 @@ def test_module_from_host_arrays_of_the_converter():
     params = _params(cfg)
     ids, feats = _chunks(cfg, 1)
     _, _, state = model.forward_chunk(params, fj.init_state(cfg, B), ids[0], cfg, feats[0])
-    sd = {**convert.params_to_torch(params, cfg), **convert.state_to_torch(state, cfg)}
-    host_params, host_state = convert.params_from_torch(sd, cfg), convert.state_from_torch(sd, cfg)
+    sd = {**state_dicts.params_to_torch(params, cfg), **state_dicts.state_to_torch(state, cfg)}
+    host_params, host_state = state_dicts.params_from_torch(sd, cfg), state_dicts.state_from_torch(sd, cfg)
     m = FractusEngine.from_params(cfg, host_params, B, state=host_state)
     logits, lb = m(ids[0], feats[0])
     logits_w, lb_w, state_w = model.forward_chunk(params, state, ids[0], cfg, feats[0])

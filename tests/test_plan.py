@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from fractus_jax.atom.corpus import open_corpus
-from fractus_jax.eval import lane_layout
+from fractus_jax.lanes import lane_layout
 from fractus_jax.train import config as cfg_lib
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train.errors import TrainError
 from fractus_jax.train.progress import held_out_line
 
@@ -22,12 +22,12 @@ def write_ids(path, ids):
 
 def test_the_held_out_part_is_the_corpus_end(tmp_path):
     corpus = write_ids(tmp_path / "c.u16", np.arange(1001) % 250)
-    train, val = plan_lib.split_corpus(corpus, 0.1)
+    train, val = prepare_lib.split_corpus(corpus, 0.1)
     assert (train.n_ids, train.held) == (901, (901, 1001)) and (val.start, val.n_ids) == (901, 100)
     np.testing.assert_array_equal(train.ids, corpus.ids[:901])
     np.testing.assert_array_equal(val.ids, corpus.ids[901:])
     assert val.describe() == {"path": str((tmp_path / "c.u16").resolve()), "start": 901, "n_ids": 100}
-    train, val = plan_lib.split_corpus(corpus, 0.0)
+    train, val = prepare_lib.split_corpus(corpus, 0.0)
     assert train.n_ids == 1001 and train.held is None and val is None
 
 
@@ -44,12 +44,14 @@ def manifest_of(cfg, **changes):
     (["model.n_layers=3"], ["the model differs", "n_layers"]),
     (["val_fraction=0.1"], ["val_fraction was 0 and is now 0.1"]),
     (["start_token=0"], ["start_token=0 would restart the data", "resume at 96"]),
+    (["model.carry_decay=0.9,0.96", "model.learn_carry_decay=true"],
+     ["learn_carry_decay was false and is now true", "holds no attn.decay_logit"]),
 ])
 def test_a_resume_that_would_change_the_run_is_refused(overrides, words, tmp_path):
     cfg = tiny()
-    plan_lib.check_resume(cfg, tmp_path, manifest_of(cfg))   # the same config continues
+    prepare_lib.check_resume(cfg, tmp_path, manifest_of(cfg))   # the same config continues
     with pytest.raises(TrainError) as e:
-        plan_lib.check_resume(tiny(*overrides), tmp_path, manifest_of(cfg))
+        prepare_lib.check_resume(tiny(*overrides), tmp_path, manifest_of(cfg))
     for w in words:
         assert w in str(e.value), (w, str(e.value))
 
@@ -58,9 +60,9 @@ def test_a_run_from_before_held_out_splits_held_out_nothing(tmp_path):
     cfg = tiny()
     old = manifest_of(cfg)
     del old["config"]["val_fraction"]
-    plan_lib.check_resume(cfg, tmp_path, old)
+    prepare_lib.check_resume(cfg, tmp_path, old)
     with pytest.raises(TrainError, match=r"a run from before held-out splits"):
-        plan_lib.check_resume(tiny("val_fraction=0.1"), tmp_path, old)
+        prepare_lib.check_resume(tiny("val_fraction=0.1"), tmp_path, old)
 
 
 def test_a_run_that_held_out_nothing_keeps_its_lanes_under_a_config_that_holds_out(tmp_path):
@@ -71,20 +73,20 @@ def test_a_run_that_held_out_nothing_keeps_its_lanes_under_a_config_that_holds_o
     del old["config"]["val_fraction"]   # a run from before held-out splits
     holds_out = tiny("val_fraction=0.01", "eval_every=3")
     for manifest in (old, manifest_of(cfg)):
-        kept, note = plan_lib.keep_no_split(holds_out, tmp_path, manifest)
+        kept, note = prepare_lib.keep_no_split(holds_out, tmp_path, manifest)
         assert (kept.val_fraction, kept.eval_every) == (0.0, 0) and "began without a held-out part" in note
         assert "val_fraction=0.01 is not applied" in note and "scores nothing" in note
-        plan_lib.check_resume(kept, tmp_path, manifest)
+        prepare_lib.check_resume(kept, tmp_path, manifest)
         # a val_corpus still scores; a val_fraction the user sets is refused, as any change of the lanes
-        kept, _ = plan_lib.keep_no_split(tiny("val_corpus=held.u16", "eval_every=3"), tmp_path, manifest)
+        kept, _ = prepare_lib.keep_no_split(tiny("val_corpus=held.u16", "eval_every=3"), tmp_path, manifest)
         assert kept.eval_every == 3
-        same, note = plan_lib.keep_no_split(holds_out, tmp_path, manifest, explicit={"val_fraction"})
+        same, note = prepare_lib.keep_no_split(holds_out, tmp_path, manifest, explicit={"val_fraction"})
         assert same is holds_out and note is None
         with pytest.raises(TrainError, match="val_fraction was 0"):
-            plan_lib.check_resume(same, tmp_path, manifest)
+            prepare_lib.check_resume(same, tmp_path, manifest)
     # a run that held out a part keeps it
     split = tiny("val_fraction=0.01")
-    assert plan_lib.keep_no_split(holds_out, tmp_path, manifest_of(split)) == (holds_out, None)
+    assert prepare_lib.keep_no_split(holds_out, tmp_path, manifest_of(split)) == (holds_out, None)
     assert cfg_lib.override_fields(["val_fraction=0.1", "BATCH=8", "model.n_layers = 3"]) >= {
         "val_fraction", "model.n_layers"}
 

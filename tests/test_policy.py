@@ -436,19 +436,18 @@ def test_the_watchdog_ends_the_process_with_its_line_last(capsys):
     assert peers.PEER_LOST_BOUND_SECONDS == 35 and peers.SERVICE_HEARTBEAT_TIMEOUT_SECONDS == 140   # docs/training.md
 
 
-def test_the_coordination_client_is_where_runtime_client_reads_it():
-    """runtime_client reads jax._src.distributed.global_state.client, the one private name of
-    JAX the trainer uses (no public API hands out the coordination service's key-value
-    client). A JAX that moves it, or renames the methods KeyValueExchange and the peer
-    watchdog call, fails here, in one process, instead of in a multi-process run."""
-    from jax._src import distributed
+def test_the_coordination_client_comes_from_orbax_public_helper():
+    """runtime_client takes the coordination service's key-value client from Orbax's public
+    multihost helpers (JAX exports none). An Orbax that drops them, or a client whose
+    methods KeyValueExchange and the peer watchdog call are renamed, fails here, in one
+    process, instead of in a multi-process run."""
     from jax._src.lib import _jax
+    from orbax.checkpoint import multihost
 
-    assert isinstance(distributed.global_state, distributed.State)
-    assert "client" in distributed.State.__annotations__
-    assert distributed.global_state.client is None          # no jax.distributed.initialize here
+    assert not multihost.is_jax_distributed_client_initialized()   # no jax.distributed.initialize here
     with pytest.raises(RuntimeError, match="without jax.distributed's client"):
         policy.runtime_client()
+    assert callable(multihost.get_jax_distributed_client)
     client_type = _jax.DistributedRuntimeClient
     for method in ("key_value_set", "key_value_dir_get", "blocking_key_value_get", "key_value_delete"):
         assert callable(getattr(client_type, method, None)), f"{client_type.__name__}.{method} is gone"

@@ -13,10 +13,10 @@ import optax
 import pytest
 
 from fractus_jax import config
+from fractus_jax.lanes import LaneReader
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import step as step_lib
-from fractus_jax.train.data import LaneReader
 from engine_testing import restore_state
 from fractus_jax.train.__main__ import main as train_main
 

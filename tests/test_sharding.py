@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from fractus_jax import sharding
+from fractus_jax.lanes import LaneReader
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import reach
 from fractus_jax.train import state as state_lib
-from fractus_jax.train.data import LaneReader, global_batch
+from fractus_jax.train.data import global_batch
 from fractus_jax.train.memory import plan_memory
 from fractus_jax.train.step import batch_shardings, jit_train_step
 
@@ -123,7 +124,7 @@ def test_a_run_moves_to_another_mesh_through_the_trainer(corpus_file, start, tmp
         cfg = cfg_lib.apply_overrides(_cfg(corpus_file, data, 1), [f"max_steps={steps}", "save_every=4"])
         logs = []
         with jax.default_matmul_precision("highest"):
-            loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
+            loop.run(prepare_lib.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
         return cfg, logs
 
     run(tmp_path / "moved", 8, 4)
@@ -176,7 +177,7 @@ def test_two_processes_on_localhost_match_one(corpus_file, start, tmp_path):
 
     one = tmp_path / "one"
     cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), [o.split("=", 1)[1] for o in overrides])
-    loop.run(plan_lib.prepare(cfg, one, progress=False), progress=False, log=lambda m: None)
+    loop.run(prepare_lib.prepare(cfg, one, progress=False), progress=False, log=lambda m: None)
 
     def params(d):
         c = cfg_lib.resolve_for_mesh(cfg)

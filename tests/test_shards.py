@@ -10,9 +10,9 @@ import pytest
 from fractus_jax.atom import build as build_lib
 from fractus_jax.atom.__main__ import main as atom_main
 from fractus_jax.atom.corpus import CorpusError, JoinedIds, build_corpus, build_shards, open_corpus
+from fractus_jax.lanes import LaneReader
 from fractus_jax.train import checkpoint as ckpt_lib
-from fractus_jax.train import plan as plan_lib
-from fractus_jax.train.data import LaneReader
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train.errors import TrainError
 from test_corpus_growth import metrics, params_at, tiny, train
 
@@ -66,13 +66,13 @@ def test_shards_read_as_the_one_file_of_their_ids(stream, tmp_path):
 def test_lanes_over_shards_and_their_held_out_end_equal_the_one_files(stream):
     ids, one, folder = stream
     for val_fraction in (0.0, 0.07):
-        (train_a, val_a), (train_b, val_b) = (plan_lib.split_corpus(open_corpus(p), val_fraction)
+        (train_a, val_a), (train_b, val_b) = (prepare_lib.split_corpus(open_corpus(p), val_fraction)
                                               for p in (one, folder))
         assert train_a.n_ids == train_b.n_ids
         if val_fraction:
             np.testing.assert_array_equal(np.asarray(val_b.ids), np.asarray(val_a.ids))
             # the held-out range in the middle of a grown stream: the lanes read around it
-            train_a, train_b = (plan_lib.TrainPart(t.corpus, t.n_ids - 4000, (t.n_ids - 9000, t.n_ids - 5000))
+            train_a, train_b = (prepare_lib.TrainPart(t.corpus, t.n_ids - 4000, (t.n_ids - 9000, t.n_ids - 5000))
                                 for t in (train_a, train_b))
         a, b = (LaneReader(t.ids, 8, 16, accum=2) for t in (train_a, train_b))
         pos = 0
@@ -215,7 +215,7 @@ def test_the_trainer_reads_a_shard_directory_as_the_one_file_and_takes_new_shard
     folder = tmp_path / "shards"
     write_shards(folder, ids_a, random_cuts(rng, ids_a.size, 101))
     cfg_file, cfg_dir = tiny(tmp_path / "a.u16", "max_steps=7", "save_every=3"), tiny(folder, "max_steps=7", "save_every=3")
-    assert plan_lib.steps_per_pass(a["n_ids"], cfg_dir) == 3
+    assert prepare_lib.steps_per_pass(a["n_ids"], cfg_dir) == 3
     train(cfg_file, tmp_path / "file")
     train(tiny(folder, "max_steps=2", "save_every=2"), tmp_path / "dir")
     # while the run is stopped, more text arrives as new shards after the last
@@ -237,7 +237,7 @@ def test_the_trainer_reads_a_shard_directory_as_the_one_file_and_takes_new_shard
     (folder / "part-0000a.u16").write_bytes(np.array([5, 6], "<u2").tobytes())
     before = sorted(p.name for p in (tmp_path / "dir").rglob("*"))
     with pytest.raises(TrainError, match=r"part-0000a\.u16 \(a shard may only be added after"):
-        plan_lib.prepare(tiny(folder, "max_steps=9"), tmp_path / "dir", progress=False)
+        prepare_lib.prepare(tiny(folder, "max_steps=9"), tmp_path / "dir", progress=False)
     assert sorted(p.name for p in (tmp_path / "dir").rglob("*")) == before
 
 

@@ -12,14 +12,15 @@ from fractus_jax import model, sharding
 from fractus_jax.atom.corpus import build_corpus, open_corpus
 from fractus_jax.atom.features import FEATURE_CONTEXT
 from fractus_jax.eval.__main__ import main as eval_main
+from fractus_jax.lanes import LaneReader
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import objective
 from fractus_jax.train import step as step_lib
-from fractus_jax.train.data import LaneReader, chunk_features
+from fractus_jax.train.data import chunk_features
 from engine_testing import move_off_init
 
 
@@ -150,7 +151,7 @@ def test_a_run_with_packet_features_learns_a_memorisable_text_and_logs_its_own_c
                "eval_every=30", "val_ids=1024", "max_steps=30", "save_every=10", "lr=1e-2", "warmup_steps=2",
                "model.capacity_factor=none")
     workdir = tmp_path / "run"
-    loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
+    loop.run(prepare_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
     log = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     ce = [m["ce_tf"] for m in log]
     assert np.mean(ce[-5:]) < np.mean(ce[:5]) - 1.0, ce

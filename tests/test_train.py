@@ -18,16 +18,16 @@ import pytest
 
 from fractus_jax import sharding
 from fractus_jax.config import EngineConfig
+from fractus_jax.lanes import LaneReader
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import loop
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import progress as progress_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import objective
 from fractus_jax.train import step as step_lib
 from fractus_jax.train.__main__ import main as train_cli
-from fractus_jax.train.data import LaneReader
 from fractus_jax.train.errors import TrainError
 
 from engine_testing import move_off_init
@@ -41,7 +41,7 @@ def tiny(corpus_file, *overrides):
 
 
 def train(cfg, workdir):
-    plan = plan_lib.prepare(cfg, workdir, progress=False)
+    plan = prepare_lib.prepare(cfg, workdir, progress=False)
     return loop.run(plan, progress=False, log=lambda m: None)
 
 
@@ -242,7 +242,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(corpus_file, tmp_path):
 
 def _deadline_run(cfg, workdir):
     logs = []
-    last = loop.run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
+    last = loop.run(prepare_lib.prepare(cfg, workdir, progress=False), progress=False, log=logs.append)
     manifest = ckpt_lib.read_manifest(workdir)
     assert manifest["step"] == last["step"] and "(deadline near)" in logs[-1], logs
     state, meta = restore(workdir, cfg)
@@ -275,12 +275,12 @@ def test_embedded_default_corpus_is_built_once_and_trains(tmp_path, monkeypatch)
     monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
     cfg = cfg_lib.apply_overrides(cfg_lib.load_config("tiny"), ["max_steps=1", "save_every=1"])
     assert cfg.corpus == ""
-    plan = plan_lib.prepare(cfg, tmp_path / "run", progress=False)
+    plan = prepare_lib.prepare(cfg, tmp_path / "run", progress=False)
     built = list((tmp_path / "cache").glob("*.u16"))
     assert len(built) == 1 and plan.corpus.n_ids > 1_000_000
     mtime = built[0].stat().st_mtime_ns
     loop.run(plan, progress=False, log=lambda m: None)
-    plan_lib.prepare(cfg.__class__(**{**cfg.__dict__, "max_steps": 2}), tmp_path / "run", progress=False)
+    prepare_lib.prepare(cfg.__class__(**{**cfg.__dict__, "max_steps": 2}), tmp_path / "run", progress=False)
     assert built[0].stat().st_mtime_ns == mtime   # reused, not rebuilt
     text = bytes(np.asarray(plan.corpus.ids[:20000])[np.asarray(plan.corpus.ids[:20000]) < 256].astype(np.uint8))
     assert b"def " in text or b"import " in text   # real code
@@ -315,7 +315,8 @@ def test_config_overrides_and_aliases():
 
 def test_lanes_targets_and_feature_context(corpus_file):
     from fractus_jax.atom.corpus import open_corpus
-    from fractus_jax.train.data import LaneReader, chunk_features
+    from fractus_jax.lanes import LaneReader
+    from fractus_jax.train.data import chunk_features
 
     ids = open_corpus(corpus_file).ids
     reader = LaneReader(ids, batch_size=3, seq_len=8, accum=2)
@@ -651,7 +652,7 @@ def test_fields_that_conflict_are_refused_before_anything_is_written(overrides, 
                                                                      monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(TrainError) as e:
-        plan_lib.prepare(tiny(corpus_file, *overrides), tmp_path / "run", progress=False)
+        prepare_lib.prepare(tiny(corpus_file, *overrides), tmp_path / "run", progress=False)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
     assert not (tmp_path / "run").exists()
@@ -695,7 +696,7 @@ def test_a_resumed_run_continues_the_same_learning_rate_curve(corpus_file, tmp_p
     train(cfg, tmp_path / "straight")
     logs = []
     train(cfg_lib.apply_overrides(cfg, ["max_steps=3"]), tmp_path / "split")
-    plan = plan_lib.prepare(cfg, tmp_path / "split", progress=False)
+    plan = prepare_lib.prepare(cfg, tmp_path / "split", progress=False)
     assert plan.resume_step == 3
     loop.run(plan, progress=False, log=logs.append)
     assert not any("schedule differs" in line for line in logs)
@@ -710,9 +711,9 @@ def test_a_resumed_run_continues_the_same_learning_rate_curve(corpus_file, tmp_p
     assert values[2] > values[3] > values[4] > values[5] == pytest.approx(3e-4, rel=1e-6)
     # the saved config holds the schedule; a resume with another one says so
     assert ckpt_lib.read_manifest(tmp_path / "split")["config"]["lr_schedule"] == "cosine"
-    note = plan_lib.schedule_change_note(cfg.to_dict(), cfg_lib.apply_overrides(cfg, ["lr_floor=1e-4"]), 6)
+    note = prepare_lib.schedule_change_note(cfg.to_dict(), cfg_lib.apply_overrides(cfg, ["lr_floor=1e-4"]), 6)
     assert "lr_floor 0.0003 -> 0.0001" in note and "step 6" in note
-    assert plan_lib.schedule_change_note({"lr": cfg.lr, "warmup_steps": cfg.warmup_steps}, tiny(corpus_file), 6) is None
+    assert prepare_lib.schedule_change_note({"lr": cfg.lr, "warmup_steps": cfg.warmup_steps}, tiny(corpus_file), 6) is None
 
 
 def _unreached(tree) -> set[str]:
@@ -771,30 +772,42 @@ def test_parameters_the_loss_does_not_reach_are_left_alone_and_old_opt_states_re
 
     # Resuming a masked run with a config that steps more than it did is refused (no moments to resume).
     masked = cfg.to_dict()
-    assert plan_lib.moments_lacking(masked, cfg) == []
-    assert set(plan_lib.moments_lacking(masked, old_cfg)) == heads | feat
-    assert plan_lib.moments_lacking({k: v for k, v in masked.items() if k != "step_unreached"}, old_cfg) == []
-    assert plan_lib.moments_lacking(old_cfg.to_dict(), cfg) == []
+    assert prepare_lib.moments_lacking(masked, cfg) == []
+    assert set(prepare_lib.moments_lacking(masked, old_cfg)) == heads | feat
+    assert prepare_lib.moments_lacking({k: v for k, v in masked.items() if k != "step_unreached"}, old_cfg) == []
+    assert prepare_lib.moments_lacking(old_cfg.to_dict(), cfg) == []
 
 
-def test_init_from_starts_a_fresh_run_from_another_runs_weights(corpus_file, tmp_path):
+def test_init_from_starts_a_fresh_run_from_another_runs_weights(corpus_file, tmp_path, monkeypatch):
     """init_from=DIR: the new run's first step starts from DIR's weights with fresh optimizer
     moments at step 0 (the step written out here from those weights gives its step-1 state),
-    its own lanes from offset 0; the source run is left as it was."""
+    its own lanes from offset 0, its state built around those weights (no fresh state made
+    to be overwritten); the source run is left as it was. A source of another engine is
+    refused before anything is written."""
     source = tiny(corpus_file, "max_steps=3", "save_every=3", "lr=0.01")
     train(source, tmp_path / "source")
     weights, _ = ckpt_lib.load_for_inference(tmp_path / "source")
     cfg = tiny(corpus_file, "max_steps=1", "save_every=1", f"init_from={tmp_path / 'source'}")
+    for bad, words in ((tiny(corpus_file, "model.n_layers=3", f"init_from={tmp_path / 'source'}"),
+                        "n_layers: 2 there, 3 here"),
+                       (tiny(corpus_file, f"init_from={tmp_path / 'nowhere'}"), f"init_from={tmp_path / 'nowhere'}")):
+        with pytest.raises(TrainError, match=words):
+            prepare_lib.prepare(bad, tmp_path / "refused", progress=False)
+        assert not (tmp_path / "refused").exists()
     logs = []
-    loop.run(plan_lib.prepare(cfg, tmp_path / "run", progress=False), progress=False, log=logs.append)
+    with monkeypatch.context() as m:
+        def no_fresh_state(*a, **k):
+            raise AssertionError("a run started from weights initialised a state of its own")
+        m.setattr(state_lib, "create_train_state", no_fresh_state)
+        loop.run(prepare_lib.prepare(cfg, tmp_path / "run", progress=False), progress=False, log=logs.append)
     assert any("weights from" in m and "fresh optimizer moments" in m for m in logs), logs
     got, _ = restore(tmp_path / "run", cfg)
     assert int(got["step"]) == 1
 
-    state, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(cfg.seed))
-    state = state_lib.with_params(cfg, state, weights)
+    mesh = sharding.make_mesh()
+    state = state_lib.state_around(cfg, jax.tree.map(jnp.copy, weights), state_lib.train_state_shardings(cfg, mesh))
     assert int(optax.tree_utils.tree_get(state["opt_state"], "count")) == 0
-    ids = plan_lib.prepare(cfg, tmp_path / "probe", progress=False).train.ids
+    ids = prepare_lib.prepare(cfg, tmp_path / "probe", progress=False).train.ids
     from_source, _ = jax.jit(step_lib.make_train_step(cfg))(
         state, {"ids": LaneReader(ids, cfg.batch_size, cfg.seq_len).read(0)[0]})
     # leaf by leaf within 1e-3 of the step's update (two programs; AdamW's first step turns a

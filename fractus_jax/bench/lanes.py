@@ -26,8 +26,9 @@ import numpy as np
 from fractus_jax.atom.corpus import open_corpus
 from fractus_jax.atom.features import FEATURE_CONTEXT
 from fractus_jax.atom.stream import encode
-from fractus_jax.train.data import LaneReader, chunk_features
-from fractus_jax.train.plan import split_corpus
+from fractus_jax.lanes import LaneReader
+from fractus_jax.train.data import chunk_features
+from fractus_jax.train.prepare import split_corpus
 
 
 def sample_text_ids() -> np.ndarray:

@@ -25,14 +25,15 @@ import jax
 import numpy as np
 
 from fractus_jax import hostmem, sharding
-from fractus_jax.config import split_fields
 from fractus_jax.bench import timing
+from fractus_jax.config import split_fields
 from fractus_jax.flops import train_flops_per_id
 from fractus_jax.kernels import select
+from fractus_jax.lanes import LaneReader
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import resolve_for_mesh
-from fractus_jax.train.data import LaneReader, global_batch
+from fractus_jax.train.data import global_batch
 from fractus_jax.train.step import batch_shardings, jit_train_step
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fractus_jax.convert import ConversionError
-from fractus_jax.train.rundir import CheckpointError, local_path
+from fractus_jax.convert.state_dicts import ConversionError
 from fractus_jax.train.config import ConfigError
+from fractus_jax.train.rundir import CheckpointError, local_path
 
 
 def parse_args(argv=None):
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     warn = lambda msg: print(f"warning: {msg}", file=sys.stderr)  # noqa: E731
     try:
-        from fractus_jax.convert import run   # needs torch: a missing one is answered below
+        from fractus_jax.convert import run# needs torch: a missing one is answered below
         if args.command == "export":
             for path in run.export_run(args.ckpt, args.out, opt=args.opt, hub=args.hub, log=warn):
                 print(path)

@@ -23,7 +23,8 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 import torch
 
-from fractus_jax.convert import ConversionError, names
+from fractus_jax.convert import names
+from fractus_jax.convert.state_dicts import ConversionError
 
 SAFETENSORS = ".safetensors"
 HUB_WEIGHTS, HUB_OPT, OPT = ".bin", ".opt.bin", ".opt"

@@ -23,9 +23,9 @@ import numpy as np
 import optax
 import torch
 
-from fractus_jax import convert
 from fractus_jax.config import EngineConfig
-from fractus_jax.convert import ConversionError
+from fractus_jax.convert import state_dicts
+from fractus_jax.convert.state_dicts import ConversionError
 from fractus_jax.reference import FractusEngine
 from fractus_jax.train.config import TrainConfig
 from fractus_jax.train.state import learning_rate
@@ -76,7 +76,7 @@ def _tree_to_names(tree, params, cfg: EngineConfig) -> dict[str, np.ndarray]:
     leaves = {_path_keys(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
     full = jax.tree_util.tree_map_with_path(
         lambda p, x: leaves.get(_path_keys(p), np.zeros(x.shape, x.dtype)), params)
-    return convert.params_to_torch(full, cfg)
+    return state_dicts.params_to_torch(full, cfg)
 
 
 def _stepped(tree, params, cfg: EngineConfig) -> set[str]:
@@ -85,14 +85,14 @@ def _stepped(tree, params, cfg: EngineConfig) -> set[str]:
     held = {_path_keys(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
     flags = jax.tree_util.tree_map_with_path(
         lambda p, x: np.full(x.shape, _path_keys(p) in held), params)
-    return {name for name, f in convert.params_to_torch(flags, cfg).items() if f.all()}
+    return {name for name, f in state_dicts.params_to_torch(flags, cfg).items() if f.all()}
 
 
 def _names_to_tree(by_name: dict[str, np.ndarray], template, cfg: EngineConfig):
     """PyTorch name → array (trainable names only) → a moment tree shaped like template."""
-    shapes = convert.expected_shapes(cfg)
+    shapes = state_dicts.expected_shapes(cfg)
     sd = {k: by_name.get(k, np.zeros(shape, np.float32)) for k, shape in shapes.items()}
-    full = convert.params_from_torch(sd, cfg)
+    full = state_dicts.params_from_torch(sd, cfg)
     get = lambda keys: functools.reduce(lambda t, k: t[k], keys, full)  # noqa: E731
     return jax.tree_util.tree_map_with_path(
         lambda p, x: np.asarray(get(_path_keys(p)), dtype=x.dtype), template)
@@ -217,9 +217,9 @@ def optimizer_from_torch(opt_sd: dict, opt_state_template, params, cfg: TrainCon
             if tuple(value.shape) != shape:
                 problems.append(f"parameter {i} ({name}): {slot} {tuple(value.shape)} in the file, {shape} in the model")
             else:
-                moments[slot][name] = convert._to_numpy(value)
+                moments[slot][name] = state_dicts._to_numpy(value)
         if "step" in entry:
-            steps.add(float(convert._to_numpy(entry["step"])))
+            steps.add(float(state_dicts._to_numpy(entry["step"])))
     if problems:
         raise ConversionError(f"{path}: wrong shapes: " + "; ".join(problems))
     node = find_moments(opt_state_template)

@@ -16,9 +16,9 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from fractus_jax import convert
 from fractus_jax.config import WEIGHT_FIELDS
-from fractus_jax.convert import ConversionError, files, names, optim
+from fractus_jax.convert import files, names, optim, state_dicts
+from fractus_jax.convert.state_dicts import ConversionError
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import rundir
 from fractus_jax.train import state as state_lib
@@ -54,8 +54,8 @@ def load_run(ckpt, with_opt: bool) -> Snapshot:
 def torch_checkpoint(snap: Snapshot) -> tuple[dict, dict, dict]:
     """(state dict of numpy arrays in the reference module's order, config, extra keys)."""
     model = snap.cfg.model
-    sd = {**convert.params_to_torch(snap.params, model),
-          **convert.state_to_torch(snap.carry, model, last_lb_loss=float(snap.meta.get("last_lb_loss", 0.0)))}
+    sd = {**state_dicts.params_to_torch(snap.params, model),
+          **state_dicts.state_to_torch(snap.carry, model, last_lb_loss=float(snap.meta.get("last_lb_loss", 0.0)))}
     order = optim.torch_state_dict_order(model)
     if set(order) != set(sd):
         raise ConversionError(f"internal: the export's keys differ from the reference module's "
@@ -110,7 +110,7 @@ def _check_out(out: Path) -> None:
 def _check_tensors(ck: files.TorchCheckpoint, sd: dict, cfg: TrainConfig, log: Log) -> None:
     model = cfg.model
     try:
-        convert.check_state_dict(sd, model)
+        state_dicts.check_state_dict(sd, model)
     except ConversionError as e:
         raise ConversionError(f"{ck.path}: {e}") from None
     head = sd.get(names.TIED_HEAD)
@@ -231,7 +231,7 @@ def _carry(ck: files.TorchCheckpoint, sd: dict, cfg: TrainConfig, abstract, fres
         log(f"{ck.path}: the carried state is for batch {B}, the config's batch_size is {cfg.batch_size}; "
             "the run starts from a zero carry")
         return zeros, 0.0, False, B
-    carry = convert.state_from_torch(sd, model)
+    carry = state_dicts.state_from_torch(sd, model)
     return jax.tree.map(lambda x, a: np.asarray(x, a.dtype), carry, abstract), last_lb, True, B
 
 
@@ -328,10 +328,10 @@ def import_checkpoint(pt, out, config: str, overrides: Sequence[str] = (), opt_f
     cfg = apply_overrides(load_config(config), list(overrides))
     ck = files.read_checkpoint(pt, trust_pickle)
     cfg = _with_carry_decay(ck, cfg, log)
-    sd = convert.strip_prefix(ck.model_state)
+    sd = state_dicts.strip_prefix(ck.model_state)
     _check_tensors(ck, sd, cfg, log)
     abstract = state_lib.abstract_train_state(cfg)
-    params = jax.tree.map(lambda x, a: np.asarray(x, a.dtype), convert.params_from_torch(sd, cfg.model),
+    params = jax.tree.map(lambda x, a: np.asarray(x, a.dtype), state_dicts.params_from_torch(sd, cfg.model),
                           abstract["params"])
     carry, last_lb, kept, carry_batch = _carry(ck, sd, cfg, abstract["carry"], fresh_carry, log)
     opt_state = _moments(ck, cfg, params, opt_file, no_opt, trust_pickle, log)

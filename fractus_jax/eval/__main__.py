@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 
 from fractus_jax.atom import corpus as corpus_lib
 from fractus_jax.atom.corpus import CorpusError
-from fractus_jax.eval import EvalError, Scorer
+from fractus_jax.lanes import LaneError
+from fractus_jax.scoring import Scorer
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train.heldout import carry_schedule
 from fractus_jax.train.rundir import CheckpointError, local_path
@@ -107,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         scorer.layout(len(ids))   # too few ids: refused before any array is read
         state, _ = ckpt_lib.restore_one_device(run_dir, step, cfg, items=("params",))
         result = scorer.score(state["params"], ids, progress=not args.no_progress, desc=f"step {step}")
-    except (_UserError, EvalError, CorpusError, CheckpointError, OSError) as e:
+    except (_UserError, LaneError, CorpusError, CheckpointError, OSError) as e:
         return fail(str(e) or type(e).__name__)
     out = {**result.to_json(), "step": step, "ckpt": str(run_dir), "corpus": source}
     if args.json:

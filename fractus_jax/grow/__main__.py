@@ -13,8 +13,8 @@ import json
 import sys
 
 from fractus_jax.atom.corpus import CorpusError
-from fractus_jax.grow import GrowthError, GrowthSpec
-from fractus_jax.train import grow_run
+from fractus_jax.grow import run as grow_run
+from fractus_jax.growth import GrowthError, GrowthSpec
 from fractus_jax.train.rundir import CheckpointError, local_path, read_manifest
 
 

@@ -11,8 +11,9 @@ import jax
 
 from fractus_jax import hostmem
 from fractus_jax.atom.corpus import CorpusError
-from fractus_jax.train import config, data, loop, peers, policy, rundir
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.lanes import LaneError
+from fractus_jax.train import config, loop, peers, policy, rundir
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train.errors import TrainError
 from fractus_jax.train.heldout import carry_schedule
 from fractus_jax.train.rundir import METRICS
@@ -112,11 +113,11 @@ def main(argv=None) -> int:
 
 
 def train(args, argv) -> int:
-    user_errors = (config.ConfigError, TrainError, CorpusError, rundir.CheckpointError, data.DataError)
+    user_errors = (config.ConfigError, TrainError, CorpusError, rundir.CheckpointError, LaneError)
     lead = jax.process_index() == 0
     try:
         cfg = config.apply_overrides(config.load_config(args.config), args.overrides)
-        plan = plan_lib.prepare(cfg, args.workdir, progress=not args.no_progress,
+        plan = prepare_lib.prepare(cfg, args.workdir, progress=not args.no_progress,
                                 explicit=config.override_fields(args.overrides))
         # The run is about to train: the allocator's note now (not on a refused run).
         note = hostmem.cpu_training_note(jax.default_backend())

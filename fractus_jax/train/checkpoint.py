@@ -565,15 +565,34 @@ def restore_one_device(run_dir, step: int, cfg: TrainConfig, items=("params", "o
         ckpt.close()
 
 
-def load_for_inference(ckpt, step: Optional[int] = None):
-    """(params, EngineConfig) of a run directory's latest (or given) checkpoint, on one device.
-
-    `ckpt` is a run directory or one of its step directories (`resolve_checkpoint`, as for
-    export and grow); a step directory with a different `step` is refused."""
+def checkpoint_config(ckpt, step: Optional[int] = None) -> tuple[Path, int, TrainConfig]:
+    """(run directory, step, that step's TrainConfig) of a run directory's latest (or given)
+    checkpoint. `ckpt` is a run directory or one of its step directories
+    (`resolve_checkpoint`, as for export and grow); a step directory with a different `step`
+    is refused."""
     run_dir, named = resolve_checkpoint(ckpt)
     if named is not None and step is not None and step != named:
         raise CheckpointError(f"{ckpt} is the checkpoint of step {named}, and step {step} was asked for")
-    step = named if step is None else step
-    step, _, cfg = read_step(run_dir, step)
-    state, _ = restore_one_device(run_dir, step, cfg, items=("params",))
+    step, _, cfg = read_step(run_dir, named if step is None else step)
+    return run_dir, step, cfg
+
+
+def load_for_inference(ckpt, step: Optional[int] = None, params_shardings=None):
+    """(params, EngineConfig) of a checkpoint (`checkpoint_config`), on the first device, or
+    restored straight into `params_shardings` (the shardings of a parameter tree of the same
+    engine: each device reads its own shards, and nothing passes through one device)."""
+    run_dir, step, cfg = checkpoint_config(ckpt, step)
+    if params_shardings is None:
+        state, _ = restore_one_device(run_dir, step, cfg, items=("params",))
+        return state["params"], cfg.model
+    abstract = train_state.abstract_train_state(cfg)
+    abstract["params"] = abstract_with_shardings(abstract["params"], params_shardings)
+    ckpt_ = RunCheckpointer(run_dir, read_only=True)
+    try:
+        state, _ = ckpt_.restore(abstract, step, items=("params",))
+    except Exception as e:   # noqa: BLE001 - a damaged or unreadable file fails in many ways
+        raise CheckpointError(f"{Path(run_dir) / CHECKPOINTS / str(step)} could not be restored "
+                              f"({rundir.reason(e)})") from None
+    finally:
+        ckpt_.close()
     return state["params"], cfg.model

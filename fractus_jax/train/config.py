@@ -42,7 +42,7 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GrowConfig:
-    """What `grow_at` adds (fractus_jax.grow.GrowthSpec's fields)."""
+    """What `grow_at` adds (fractus_jax.growth.GrowthSpec's fields)."""
     add_layers: int = 0
     add_experts: int = 0
     siren_rank: Optional[int] = None  # the new expert rank; None keeps it

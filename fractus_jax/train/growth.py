@@ -1,7 +1,7 @@
 """Growth of a train state, and the trainer's side of it: grow in place at `grow_at`,
 and resume grown runs.
 
-`fractus_jax.grow` grows the engine's arrays (parameters, moments, carried state); this
+`fractus_jax.growth` grows the engine's arrays (parameters, moments, carried state); this
 module grows a whole train state (its TrainConfig, optimizer state, mesh shardings) and
 writes the growth record, once for both the trainer's in-place growth and
 `python -m fractus_jax.grow`.
@@ -18,9 +18,9 @@ from typing import Optional, Union
 
 import jax
 
-from fractus_jax import grow as grow_lib
+from fractus_jax import growth as engine_growth
 from fractus_jax.config import WEIGHT_FIELDS, EngineConfig
-from fractus_jax.grow import GrowthSpec
+from fractus_jax.growth import GrowthSpec
 from fractus_jax.kernels import moe as moe_k
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import MeshConfig, TrainConfig
@@ -37,7 +37,7 @@ def spec_of(cfg: TrainConfig) -> GrowthSpec:
 def target_config(cfg: TrainConfig, growth: Union[GrowthSpec, EngineConfig]) -> TrainConfig:
     """The grown run's TrainConfig (the model grown, the rest as it was), checked against
     the run's mesh too (GrowthError)."""
-    return dataclasses.replace(cfg, model=grow_lib.target_engine(cfg.model, growth, mesh_axes(cfg.mesh)))
+    return dataclasses.replace(cfg, model=engine_growth.target_engine(cfg.model, growth, mesh_axes(cfg.mesh)))
 
 
 def capacity_change(cfg: TrainConfig, new_cfg: TrainConfig) -> Optional[dict]:
@@ -56,10 +56,10 @@ def grow_state_arrays(state, cfg: TrainConfig, new_cfg: TrainConfig, key, new_ph
     Pure jnp (jit-able with static cfg, new_cfg); `new_phases` must be given when experts
     grow (`grow.expert_phases_for`, computed outside on concrete hits).
     """
-    params = grow_lib.grow_params(state["params"], cfg.model, new_cfg.model, key, new_phases)
+    params = engine_growth.grow_params(state["params"], cfg.model, new_cfg.model, key, new_phases)
     template = state_lib.make_optimizer(new_cfg, params).init(params)
-    opt_state = grow_lib.grow_like(state["opt_state"], template, params)
-    carry = grow_lib.grow_carry(state["carry"], new_cfg.model)
+    opt_state = engine_growth.grow_like(state["opt_state"], template, params)
+    carry = engine_growth.grow_carry(state["carry"], new_cfg.model)
     return {**state, "params": params, "opt_state": opt_state, "carry": carry}
 
 
@@ -71,7 +71,7 @@ def grow_train_state(state, cfg: TrainConfig, growth: Union[GrowthSpec, EngineCo
     puts them (one device for single-device input)."""
     new_cfg = target_config(cfg, growth)
     if new_phases is None:
-        new_phases = grow_lib.expert_phases_for(state["params"], cfg.model, new_cfg.model, hits)
+        new_phases = engine_growth.expert_phases_for(state["params"], cfg.model, new_cfg.model, hits)
     out = None if mesh is None else state_lib.train_state_shardings(new_cfg, mesh)
     grow = jax.jit(grow_state_arrays, static_argnums=(1, 2), out_shardings=out)   # one program, not one per op
     return grow(state, cfg, new_cfg, key, new_phases), new_cfg
@@ -83,8 +83,8 @@ def growth_record(cfg: TrainConfig, new_cfg: TrainConfig, step: int, hits_source
     return {"at_step": step, **more,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "add_layers": spec.add_layers, "add_experts": spec.add_experts, "siren_rank": new_cfg.model.siren_rank,
-            "from": {k: getattr(cfg.model, k) for k in grow_lib.GROWABLE},
-            "to": {k: getattr(new_cfg.model, k) for k in grow_lib.GROWABLE},
+            "from": {k: getattr(cfg.model, k) for k in engine_growth.GROWABLE},
+            "to": {k: getattr(new_cfg.model, k) for k in engine_growth.GROWABLE},
             "hits_source": hits_source if spec.add_experts else None,
             "capacity_per_expert": capacity_change(cfg, new_cfg)}
 
@@ -99,10 +99,10 @@ def grown_model_for(cfg: TrainConfig, manifest: dict) -> Optional[TrainConfig]:
     first = records[0].get("from", {})
     if any(getattr(cfg.model, k) != v for k, v in first.items()):
         return None
-    others = [k for k in WEIGHT_FIELDS if k not in grow_lib.GROWABLE]
+    others = [k for k in WEIGHT_FIELDS if k not in engine_growth.GROWABLE]
     if any(old_model.get(k) != getattr(cfg.model, k) for k in others):
         return None
-    grown = cfg.model.replace(**{k: old_model[k] for k in grow_lib.GROWABLE})
+    grown = cfg.model.replace(**{k: old_model[k] for k in engine_growth.GROWABLE})
     return dataclasses.replace(cfg, model=grown)
 
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fractus_jax.eval import CarrySchedule, Scorer, bigram
-from fractus_jax.train import plan as plan_lib
+from fractus_jax import bigram
+from fractus_jax.scoring import CarrySchedule, Scorer
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train.config import TrainConfig
 
 
@@ -39,13 +40,13 @@ class HeldOut:
 
 
 def bigram_baseline(cfg: TrainConfig, alpha: float = 1.0, progress: bool = False) -> dict:
-    """The bigram count baseline of a run (fractus_jax.eval.bigram): fitted on the part of
+    """The bigram count baseline of a run (fractus_jax.bigram): fitted on the part of
     cfg's corpus the lanes read, scored on cfg's held-out slice."""
-    corpus = plan_lib.open_training_corpus(cfg, progress=progress)
-    train, val = plan_lib.split_corpus(corpus, cfg.val_fraction)
+    corpus = prepare_lib.open_training_corpus(cfg, progress=progress)
+    train, val = prepare_lib.split_corpus(corpus, cfg.val_fraction)
     if cfg.val_corpus:
-        val = plan_lib.open_val_corpus(cfg)
-    plan_lib.check_val_slice(cfg, val)
+        val = prepare_lib.open_val_corpus(cfg)
+    prepare_lib.check_val_slice(cfg, val)
     counts = bigram.fit(train.ids, cfg.model.vocab_size)
     out = bigram.score(counts, np.asarray(val_slice(cfg, val)), cfg.val_lanes, cfg.seq_len, alpha)
     return {**out, "train_ids": train.n_ids}

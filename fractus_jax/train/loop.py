@@ -20,18 +20,19 @@ import numpy as np
 from fractus_jax import sharding
 from fractus_jax.atom.features import FEATURE_CONTEXT
 from fractus_jax.config import WEIGHT_FIELDS
+from fractus_jax.lanes import LaneReader
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
-from fractus_jax.train import plan as plan_lib
+from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import policy as policy_lib
 from fractus_jax.train import probes as probes_lib
 from fractus_jax.train import progress as progress_lib
 from fractus_jax.train import rundir
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import TrainConfig
-from fractus_jax.train.data import LaneReader, global_batch
+from fractus_jax.train.data import global_batch
 from fractus_jax.train.heldout import HeldOut
-from fractus_jax.train.plan import Plan
+from fractus_jax.train.prepare import Plan
 from fractus_jax.train.step import batch_shardings, jit_train_step
 from fractus_jax.train.watch import KeepRateWatch, SkipWatch
 
@@ -87,7 +88,7 @@ def run(plan: Plan, progress: bool = True, log=print) -> dict:
 def run_quietly(cfg: TrainConfig, workdir) -> list[dict]:
     """Train cfg into workdir with no bar and no log lines (one row of a script's table);
     the records of its metrics log."""
-    run(plan_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
+    run(prepare_lib.prepare(cfg, workdir, progress=False), progress=False, log=lambda m: None)
     return [m for _, m in rundir.read_metrics(Path(workdir) / rundir.METRICS)]
 
 
@@ -118,10 +119,10 @@ def restore(plan: Plan, ckpt, rd: rundir.RunDir, abstract, log):
         multihost_utils.sync_global_devices("fractus_jax resume: run directory ready")
     pos = cfg.start_token if cfg.start_token is not None else int(meta["start_token_next"])
     # the lanes and passes of the step restored (an older one than planned read less, maybe)
-    train, held = plan_lib.resumed_parts(meta, plan.corpus, cfg.val_fraction)
+    train, held = prepare_lib.resumed_parts(meta, plan.corpus, cfg.val_fraction)
     plan = dataclasses.replace(plan, resume_step=step, start_pos=pos, manifest=meta, train=train,
                                val=plan.val if cfg.val_corpus else held,
-                               passes=plan_lib.recorded_passes(meta, train, cfg))
+                               passes=prepare_lib.recorded_passes(meta, train, cfg))
     return plan, state, meta
 
 
@@ -146,7 +147,7 @@ class _Trainer:
             plan, self.state, meta = restore(plan, self.ckpt, rd, ckpt_lib.abstract_with_shardings(abstract, shardings), log)
             self.growth = list(meta.get("growth") or self.growth)
             log(f"resumed {plan.workdir} at step {plan.resume_step}, lane offset {plan.start_pos}")
-            note = plan_lib.schedule_change_note(meta.get("config") or {}, cfg, plan.resume_step)
+            note = prepare_lib.schedule_change_note(meta.get("config") or {}, cfg, plan.resume_step)
             if note:
                 log(note)
         else:
@@ -158,7 +159,7 @@ class _Trainer:
         self.meter = progress_lib.StepMeter(cfg.batch_size * cfg.seq_len * cfg.accum, meta)
         self.reader = LaneReader(plan.train.ids, cfg.batch_size, cfg.seq_len, cfg.accum)
         self.batch_shard = batch_shardings(cfg, self.mesh)
-        self.step_fn, self.prober, self.held_out = self._build(cfg)
+        self.step_fn, self.prober, self.held_out = self._build(cfg, shardings)
         self.last_hits = None   # expert hits of the latest probe: where grown experts go
         self.step, self.pos = int(plan.resume_step or 0), plan.start_pos
         self.lead = jax.process_index() == 0   # one process writes the log and shows progress
@@ -177,16 +178,14 @@ class _Trainer:
 
     def _fresh_state(self, shardings):
         cfg = self.cfg
-        state, _ = state_lib.create_train_state(cfg, self.mesh, jax.random.PRNGKey(cfg.seed))
-        if cfg.init_from:
-            params, _ = ckpt_lib.load_for_inference(cfg.init_from)
-            state = state_lib.with_params(cfg, state, jax.device_put(params, shardings["params"]))
-            self.log(f"weights from {cfg.init_from}; fresh optimizer moments (warmup advised)")
-        return state
+        if not cfg.init_from:
+            return state_lib.create_train_state(cfg, self.mesh, jax.random.PRNGKey(cfg.seed), shardings)[0]
+        params, _ = ckpt_lib.load_for_inference(cfg.init_from, params_shardings=shardings["params"])
+        self.log(f"weights from {cfg.init_from}; fresh optimizer moments (warmup advised)")
+        return state_lib.state_around(cfg, params, shardings)
 
-    def _build(self, cfg: TrainConfig):
+    def _build(self, cfg: TrainConfig, shardings):
         """The compiled step, the prober and the held-out scorer of a config (again after a growth)."""
-        shardings = state_lib.train_state_shardings(cfg, self.mesh)
         return (jit_train_step(cfg, shardings, self.batch_shard),
                 probes_lib.Prober(cfg, self.probe_part()) if cfg.probe_every else None,
                 HeldOut(cfg, self.plan.val) if cfg.eval_every else None)
@@ -201,14 +200,14 @@ class _Trainer:
         multi-process run cuts over the corpus as it opened it (their reads of a file that
         grows would not agree), so growth enters there at the first pass after a start."""
         old = self.plan.train
-        train = plan_lib.next_pass_part(old, self.cfg.model.vocab_size, self.log, reopen=jax.process_count() == 1)
+        train = prepare_lib.next_pass_part(old, self.cfg.model.vocab_size, self.log, reopen=jax.process_count() == 1)
         number = self.passes[-1]["pass"] + 1
         if train.n_ids != old.n_ids:
             self.reader = LaneReader(train.ids, self.cfg.batch_size, self.cfg.seq_len, self.cfg.accum)
             self.log(f"note: pass {number} from step {self.step + 1}: the lanes are cut over {train.n_ids} ids "
                      f"(the last pass: {old.n_ids}; {train.path} holds {train.corpus.n_ids})")
         self.plan = dataclasses.replace(self.plan, corpus=train.corpus, train=train)
-        self.passes.append(plan_lib.pass_record(number, self.step + 1, train))
+        self.passes.append(prepare_lib.pass_record(number, self.step + 1, train))
         self.pos = 0
 
     def meta(self) -> dict:
@@ -257,7 +256,8 @@ class _Trainer:
                                                                 self.last_hits)
         self.ckpt.expect(self.state)   # the grown state's saves take longer
         self.growth.append(record)
-        self.step_fn, self.prober, self.held_out = self._build(self.cfg)
+        self.step_fn, self.prober, self.held_out = self._build(
+            self.cfg, state_lib.train_state_shardings(self.cfg, self.mesh))
         self.meter.compiles()
         if self.bar is not None:
             self.bar.set_description_str("compiling the grown step")

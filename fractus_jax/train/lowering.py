@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import export
 
 from fractus_jax import decode, model, sharding
-from fractus_jax.eval import score_chunk
+from fractus_jax.scoring import score_chunk
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import TrainConfig, resolve_for_mesh

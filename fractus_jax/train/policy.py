@@ -166,18 +166,18 @@ def exchange_for_run():
 
 
 def runtime_client():
-    """jax.distributed's client of the coordination service (its key-value store), the one
-    private name of JAX the trainer reaches, as Orbax's multihost module does."""
-    # JAX has no public handle on this client: jax.distributed exports initialize, shutdown
-    # and is_initialized only, and jax.experimental.multihost_utils agrees through device
+    """jax.distributed's client of the coordination service (its key-value store), as
+    Orbax's public multihost helper hands it out."""
+    # JAX exports no handle on this client (jax.distributed has initialize, shutdown and
+    # is_initialized), and jax.experimental.multihost_utils agrees through device
     # collectives (broadcast_one_to_all, process_allgather, sync_global_devices), which
     # would drain the device queue every step and cannot serve the peer watchdog's threads.
-    # tests/test_policy.py fails on a JAX where this path or the client's methods move.
-    from jax._src import distributed
-    client = distributed.global_state.client
-    if client is None:
+    # Orbax, which the trainer checkpoints with, hands the client out for its own barriers.
+    from orbax.checkpoint import multihost   # multi-process runs only
+
+    if not multihost.is_jax_distributed_client_initialized():
         raise RuntimeError("a multi-process run without jax.distributed's client")
-    return client
+    return multihost.get_jax_distributed_client()
 
 
 def deadline_margin(step_seconds: Optional[float], save_seconds: float) -> float:

@@ -79,8 +79,8 @@ def make_optimizer(cfg: TrainConfig, params, step_unreached=None) -> optax.Gradi
     return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, labels)
 
 
-def _init(cfg: TrainConfig, key):
-    params = model.init_params(cfg.model, key)
+def _around(cfg: TrainConfig, params):
+    """Step 0 of a run around `params`: zero moments, the initial carry."""
     tx = make_optimizer(cfg, params)
     return {
         "params": params,
@@ -91,6 +91,10 @@ def _init(cfg: TrainConfig, key):
     }
 
 
+def _init(cfg: TrainConfig, key):
+    return _around(cfg, model.init_params(cfg.model, key))
+
+
 def abstract_train_state(cfg: TrainConfig):
     return jax.eval_shape(lambda: _init(cfg, jax.random.PRNGKey(0)))
 
@@ -99,28 +103,22 @@ def train_state_shardings(cfg: TrainConfig, mesh, abstract=None):
     abstract = abstract if abstract is not None else abstract_train_state(cfg)
     p_shard = sharding.param_shardings(abstract["params"], mesh)
     rep = sharding.replicated(mesh)
-    return {"params": p_shard, "opt_state": _like_params(abstract["opt_state"], abstract["params"], p_shard, rep),
+    return {"params": p_shard, "opt_state": _moments_like_params(cfg, abstract, p_shard, rep),
             "carry": sharding.state_shardings(abstract["carry"], mesh), "step": rep, "skipped": rep}
 
 
-def _dict_keys(path) -> tuple:
-    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+def _masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
 
 
-def _like_params(opt_state, params, param_shardings, default):
-    """Each optimizer leaf that mirrors a parameter (a moment) is sharded like it."""
-    table = {_dict_keys(path): (leaf.shape, s) for (path, leaf), s in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_leaves(param_shardings))}
-
-    def pick(path, leaf):
-        keys = _dict_keys(path)
-        for i in range(len(keys)):
-            shape, s = table.get(keys[i:], (None, None))
-            if shape == leaf.shape:
-                return s
-        return default
-
-    return jax.tree_util.tree_map_with_path(pick, opt_state)
+def _moments_like_params(cfg: TrainConfig, abstract, param_shardings, default):
+    """The optimizer state's shardings: each leaf that mirrors a parameter (a moment) is
+    sharded like it (optax.tree_map_params), the others (counts) `default`; the frozen
+    leaves' moments are optax.MaskedNode and stay so."""
+    tx = make_optimizer(cfg, abstract["params"])
+    mapped = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], param_shardings,
+                                   transform_non_params=lambda _: default, is_leaf=_masked)
+    return jax.tree.map(lambda a, m: a if _masked(a) else m, abstract["opt_state"], mapped, is_leaf=_masked)
 
 
 @functools.lru_cache(maxsize=8)
@@ -128,12 +126,15 @@ def _init_fn(cfg: TrainConfig):
     return functools.partial(_init, cfg)  # one function per config: jit reuses its compilation
 
 
-def create_train_state(cfg: TrainConfig, mesh, key):
-    shardings = train_state_shardings(cfg, mesh)
+def create_train_state(cfg: TrainConfig, mesh, key, shardings=None):
+    """(state, shardings): the fresh state written straight into its shards (`shardings`, or
+    those of cfg on mesh)."""
+    shardings = train_state_shardings(cfg, mesh) if shardings is None else shardings
     return jax.jit(_init_fn(cfg.for_programs()), out_shardings=shardings)(key), shardings
 
 
-def with_params(cfg: TrainConfig, state, params):
-    """A fresh state (zero moments) around given parameters: a run started from weights."""
-    tx = make_optimizer(cfg, params)
-    return {**state, "params": params, "opt_state": tx.init(params)}
+def state_around(cfg: TrainConfig, params, shardings):
+    """Step 0 of a run that starts from given parameters (`init_from`): zero moments and the
+    initial carry, written into `shardings` without initialising parameters to replace."""
+    return jax.jit(functools.partial(_around, cfg.for_programs()), out_shardings=shardings,
+                   donate_argnums=0)(params)

@@ -4,7 +4,7 @@
 
 Counts every adjacent pair (a, b) of the ids the run's lanes read (the corpus before its
 held-out end), then scores the trainer's held-out slice (the first val_ids ids of the
-held-out part, in val_lanes lanes, chunks of seq_len: the targets `fractus_jax.eval`
+held-out part, in val_lanes lanes, chunks of seq_len: the targets `fractus_jax.scoring`
 scores) with p(b | a) = (n(a, b) + alpha) / (n(a) + alpha·V), add-alpha smoothing over
 the V ids of the vocabulary (alpha 1: add-one). Each target's previous id is the id
 before it in its lane, as the engine's input there is. Bits per byte use eval's

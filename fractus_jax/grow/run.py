@@ -1,5 +1,5 @@
 """Grow a run directory: read one checkpoint, check, grow, probe, write a new run directory
-(`python -m fractus_jax.grow`; the engine's arrays grow in `fractus_jax.grow`, the train
+(`python -m fractus_jax.grow`; the engine's arrays grow in `fractus_jax.growth`, the train
 state in `fractus_jax.train.growth`).
 
 Everything a user can get wrong is checked before anything is written. The new run is
@@ -16,16 +16,16 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from fractus_jax import grow as grow_lib
+from fractus_jax import growth as engine_growth
 from fractus_jax.atom.corpus import CorpusError, open_corpus
-from fractus_jax.grow import GrowthError, GrowthSpec
+from fractus_jax.growth import GrowthError, GrowthSpec
+from fractus_jax.lanes import LaneError, LaneReader
 from fractus_jax.model import STATE_ROW_AXIS
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import rundir
 from fractus_jax.train.config import ConfigError, TrainConfig, apply_overrides
-from fractus_jax.train.data import DataError, LaneReader
-from fractus_jax.train.plan import resumed_parts
+from fractus_jax.train.prepare import resumed_parts
 
 Log = Callable[[str], None]
 HITS_SOURCES = ("auto", "probe", "metrics", "none")
@@ -73,7 +73,7 @@ def probe_chunk(cfg: TrainConfig, meta: dict, rows: int, corpus_path=None, log: 
             reader = LaneReader(train.ids, cfg.batch_size, cfg.seq_len, cfg.accum)
             chunks = reader.read(int(meta.get("start_token_next", 0)))[0]
             return np.asarray(chunks[0, :rows, :-1], np.int32), f"next batch of {path}"
-        except (CorpusError, DataError, OSError) as e:
+        except (CorpusError, LaneError, OSError) as e:
             log(f"the probe cannot read the corpus ({e}); it uses random byte ids instead")
     rng = np.random.default_rng(0)
     return rng.integers(0, 256, (rows, cfg.seq_len)).astype(np.int32), "random byte ids"
@@ -114,11 +114,11 @@ def grow_run(ckpt, out, growth: GrowthSpec, overrides: Sequence[str] = (), hits:
     ids, probe_source = probe_chunk(cfg, meta, probe_rows, corpus, log)
 
     state = load_state(run_dir, step, cfg)
-    old_out = grow_lib.probe(state["params"], _rows(state["carry"], len(ids)), ids, cfg.model)
+    old_out = engine_growth.probe(state["params"], _rows(state["carry"], len(ids)), ids, cfg.model)
     hit_counts, hits_source = None, "none"
     if spec.add_experts:
         if hits in ("auto", "probe") and (hits == "probe" or probe_source != "random byte ids"):
-            hit_counts, hits_source = grow_lib.routing_demand(old_out[1], cfg.model.n_experts), "probe"
+            hit_counts, hits_source = engine_growth.routing_demand(old_out[1], cfg.model.n_experts), "probe"
         elif hits in ("auto", "metrics"):
             hit_counts = metrics_hits(run_dir, step, (cfg.model.n_layers, cfg.model.n_experts))
             hits_source = "metrics" if hit_counts is not None else "none"
@@ -126,8 +126,8 @@ def grow_run(ckpt, out, growth: GrowthSpec, overrides: Sequence[str] = (), hits:
                 log(f"{run_dir / METRICS} holds no expert_hits for this shape: new experts go to the widest gaps")
     key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
     grown, _ = growth_lib.grow_train_state(state, cfg, new_cfg.model, key=key, hits=hit_counts)
-    new_out = grow_lib.probe(grown["params"], _rows(grown["carry"], len(ids)), ids, new_cfg.model)
-    change = grow_lib.compare_probe(old_out, new_out)
+    new_out = engine_growth.probe(grown["params"], _rows(grown["carry"], len(ids)), ids, new_cfg.model)
+    change = engine_growth.compare_probe(old_out, new_out)
     phases = np.asarray(grown["params"]["blocks"]["moe"]["expert_phases"])[:cfg.model.n_layers, cfg.model.n_experts:]
     record = growth_lib.growth_record(
         cfg, new_cfg, step, hits_source, source=str(run_dir.resolve()), seed=seed,

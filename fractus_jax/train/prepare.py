@@ -18,14 +18,13 @@ from fractus_jax.atom import corpus as corpus_lib
 from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
 from fractus_jax.atom.reader import JoinedIds
 from fractus_jax.config import WEIGHT_FIELDS
-from fractus_jax.eval import EvalError, lane_layout
-from fractus_jax.grow import GrowthError
+from fractus_jax.growth import GrowthError
+from fractus_jax.lanes import LaneError, LaneReader, lane_layout
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import rundir
 from fractus_jax.train import state as state_lib
 from fractus_jax.train.config import TrainConfig, resolve_for_mesh
-from fractus_jax.train.data import DataError, LaneReader
 from fractus_jax.train.errors import TrainError
 
 
@@ -104,7 +103,7 @@ def resumed_parts(meta: dict, corpus, val_fraction: float) -> tuple[TrainPart, O
 
 
 def steps_per_pass(n_ids: int, cfg: TrainConfig) -> int:
-    """Steps from lane offset 0 until the lanes of n_ids ids wrap (data.LaneReader)."""
+    """Steps from lane offset 0 until the lanes of n_ids ids wrap (lanes.LaneReader)."""
     return max(1, (n_ids // cfg.batch_size - 1) // (cfg.accum * cfg.seq_len))
 
 
@@ -227,6 +226,8 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset
         cfg, split_note = keep_no_split(cfg, workdir, manifest, explicit)
         notes += [split_note] if split_note else []
         check_resume(cfg, workdir, manifest)
+    elif cfg.init_from:
+        check_init_from(cfg)
     corpus = open_training_corpus(cfg, progress)
     if manifest is None:
         train, val = split_corpus(corpus, cfg.val_fraction)
@@ -236,7 +237,7 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset
     source = str(corpus.path) if val is None else f"the first {train.n_ids} ids (1 - val_fraction) of {corpus.path}"
     try:
         LaneReader(train.ids, cfg.batch_size, cfg.seq_len, cfg.accum, source=source)
-    except DataError as e:
+    except LaneError as e:
         raise TrainError(str(e)) from None
     if cfg.val_corpus:
         val = open_val_corpus(cfg)
@@ -247,6 +248,20 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset
     pos = cfg.start_token if cfg.start_token is not None else int(manifest["start_token_next"])
     return Plan(cfg, workdir, corpus, int(manifest["step"]), pos, manifest, rejected, note, train=train, val=val,
                 passes=recorded_passes(manifest, train, cfg), notes=notes)
+
+
+def check_init_from(cfg: TrainConfig) -> None:
+    """init_from names a checkpoint whose weights fit the config's engine, so that the new
+    run's state is built around them (nothing else to initialise)."""
+    try:
+        _, step, source = ckpt_lib.checkpoint_config(cfg.init_from)
+    except rundir.CheckpointError as e:
+        raise TrainError(f"init_from={cfg.init_from}: {e}") from None
+    differ = [f"{k}: {getattr(source.model, k)!r} there, {getattr(cfg.model, k)!r} here" for k in
+              (*WEIGHT_FIELDS, "learn_carry_decay") if getattr(source.model, k) != getattr(cfg.model, k)]
+    if differ:
+        raise TrainError(f"init_from={cfg.init_from}: the weights of its step {step} are another engine's "
+                         f"({'; '.join(differ)}); set the config's model to the source's")
 
 
 def keep_no_split(cfg: TrainConfig, workdir: Path, manifest: dict, explicit=frozenset()):
@@ -290,7 +305,7 @@ def check_val_slice(cfg: TrainConfig, val: Optional[CorpusPart]) -> None:
     n = min(cfg.val_ids, val.n_ids)
     try:
         lane_layout(n, cfg.val_lanes, cfg.seq_len)
-    except EvalError as e:
+    except LaneError as e:
         raise TrainError(f"the held-out slice ({n} ids of {val.path}, val_lanes={cfg.val_lanes}, "
                          f"chunks of seq_len={cfg.seq_len}): {e}") from None
 
@@ -330,6 +345,12 @@ def check_resume(cfg: TrainConfig, workdir: Path, manifest: dict) -> None:
                for k in WEIGHT_FIELDS if old_model.get(k) != getattr(cfg.model, k)]
     if changed:
         raise TrainError(f"{workdir}: the model differs from the checkpoint's ({'; '.join(changed)})")
+    learned = bool(old_model.get("learn_carry_decay", False))   # runs from before it learned none
+    if learned != cfg.model.learn_carry_decay:
+        raise TrainError(f"{workdir}: model.learn_carry_decay was {str(learned).lower()} and is now "
+                         f"{str(cfg.model.learn_carry_decay).lower()}: the checkpoint holds "
+                         f"{'' if learned else 'no '}attn.decay_logit weights (keep "
+                         f"model.learn_carry_decay={str(learned).lower()})")
     for key in ("batch_size", "seq_len", "accum"):
         if manifest.get(key, old.get(key)) != getattr(cfg, key):
             raise TrainError(f"{workdir}: {key} was {manifest.get(key, old.get(key))} and is now "
