@@ -17,8 +17,9 @@ from fractus_jax.lanes import LaneReader
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
 from fractus_jax.train import step as step_lib
-from engine_testing import restore_state
 from fractus_jax.train.__main__ import main as train_main
+
+from engine_testing import restore_state
 
 DATA = Path(__file__).resolve().parent / "data" / "run_2250e87"
 # The command that wrote it, but for --workdir, --corpus and max_steps; model.kernels under
