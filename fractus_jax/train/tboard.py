@@ -29,6 +29,14 @@ Event it writes and reads (wall_time, step, file_version, summary's tag/simple_v
 the run-start record's status), encoded by hand, so a run needs no library for its curves
 and starts without one's import. Each record is written synchronously and flushed: a kill
 loses no queued events, and a write error is the run's error, like one of the log's.
+Why not a library's writer, measured here: tensorboard's own (tensorboard 2.21,
+`EventFileWriter`) would add tensorboard, grpcio, Markdown and tensorboard-data-server to
+every install (`pip install --dry-run tensorboard`), for the viewer's sake, and it queues
+events for a thread of its own, so a kill can lose the last ones; tensorboardX imports torch
+with any of its modules (`from tensorboardX.record_writer import RecordWriter`: 1.1 s, torch
+loaded). The cut on resume stays too: the run-start event's purge step hides a dead life's
+steps from a TensorBoard that reads the directory, but any other reader of the files would
+see them.
 """
 from __future__ import annotations
 
