@@ -7,7 +7,6 @@ float32 with the drift of the carried state and of the CE bounded (docs/engine.m
 "Numerics")."""
 import functools
 import json
-import re
 import shutil
 
 import jax
@@ -22,7 +21,7 @@ from fractus_jax.kernels.loss import cross_entropy_terms
 from fractus_jax.lanes import LaneReader
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import config as cfg_lib
-from fractus_jax.train import loop
+from fractus_jax.train import loop, lowering
 from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import rundir
 from fractus_jax.train import state as state_lib
@@ -256,9 +255,7 @@ def test_the_bfloat16_steps_products_are_bfloat16_with_float32_sums(run):
         state, shardings = state_lib.create_train_state(c, mesh, jax.random.PRNGKey(c.seed))
         batch_shard = batch_shardings(c, mesh)
         batch = global_batch(LaneReader(plan.train.ids, c.batch_size, c.seq_len), 0, batch_shard)
-        text = jit_train_step(c, shardings, batch_shard).lower(state, batch).as_text()
-        return [re.search(r":\s*\((.*)\)\s*->\s*(tensor<[^>]*>)", line).groups()
-                for line in text.splitlines() if "stablehlo.dot_general" in line]
+        return lowering.dot_products(jit_train_step(c, shardings, batch_shard).lower(state, batch).as_text())
 
     dots = products(cfg)
     low = [(ins, out) for ins, out in dots if "bf16" in ins]

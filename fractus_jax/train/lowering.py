@@ -85,6 +85,11 @@ class Module(NamedTuple):
     ops: set[str]                       # the StableHLO operations used
 
 
+def dot_products(text: str) -> list[tuple[str, str]]:
+    """(operand types, result type) of every stablehlo.dot_general in a StableHLO text."""
+    return [m.groups() for m in re.finditer(r"stablehlo\.dot_general.*?:\s*\((.*?)\)\s*->\s*(tensor<[^>]*>)", text)]
+
+
 def parse(exported: export.Exported) -> Module:
     """What a check reads from an exported program's StableHLO text."""
     text = exported.mlir_module()
@@ -98,6 +103,5 @@ def parse(exported: export.Exported) -> Module:
         name = re.search(r'loc\("([^"]*)"\)', piece)
         arguments.append(Argument(name.group(1) if name else "", typ.group(0) if typ else "",
                                   shard.group(1) if shard else "", "tf.aliasing_output" in piece))
-    products = [m.groups() for m in re.finditer(r"stablehlo\.dot_general.*?:\s*\((.*?)\)\s*->\s*(tensor<[^>]*>)", text)]
-    return Module(arguments, products, set(re.findall(r"custom_call @([\w.]+)", text)),
+    return Module(arguments, dot_products(text), set(re.findall(r"custom_call @([\w.]+)", text)),
                   set(re.findall(r"stablehlo\.(\w+)", text)))
