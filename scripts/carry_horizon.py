@@ -168,13 +168,14 @@ def main(argv=None) -> int:
     for label, r in results.items():
         print(f"| {label} | " + " | ".join(f"{v:.3f}" for v in r["bpb"].values()) + f" | {r['bpb_fresh']:.3f} |")
     print()
-    marks = [c for c in (16, 256, 1024, 4096) if c in next(iter(results.values()))["trace"]["chunk"]]
+    marks = [c for c in (16, 256, 1024, 4096) if any(c in r["trace"]["chunk"] for r in results.values())]
     print("| run | " + " | ".join(f"|z|, |S|, ΔS share after {c} chunks" for c in marks) + " |")
     print("|---|" + "---|" * len(marks))
     for label, r in results.items():
         t = r["trace"]
+        # a run of longer chunks reads fewer of them: its trace stops earlier
         cells = [f"{t['z'][t['chunk'].index(c)]:.3g}, {t['S'][t['chunk'].index(c)]:.3g}, "
-                 f"{t['rel_dS'][t['chunk'].index(c)]:.2g}" for c in marks]
+                 f"{t['rel_dS'][t['chunk'].index(c)]:.2g}" if c in t["chunk"] else "" for c in marks]
         print(f"| {label} | " + " | ".join(cells) + " |")
     if args.png:
         plot(results, args.png)
