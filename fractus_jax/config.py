@@ -76,6 +76,12 @@ class EngineConfig:
     # starts, every block learns γ = sigmoid(attn.decay_logit) per level and head (an
     # (n_levels, n_heads) weight, docs/spec.md §2), and carry_decay must be set, each γ < 1.
     learn_carry_decay: bool = False
+    # ---- The engine's input (Atom) ----
+    # True: the forward receives the 320-d packet features (fractus_jax.atom.features) at
+    # boundary ids, computed from each chunk and the FEATURE_CONTEXT ids before it, by the
+    # loader in training and by every reader of the weights (held-out scoring, decoding,
+    # the probes). False: no features (atom_feat is then never reached). Atom engines only.
+    packet_features: bool = False
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -114,6 +120,11 @@ class EngineConfig:
     @property
     def is_atom(self) -> bool:
         return self.variant == "atom"
+
+    @property
+    def feeds_features(self) -> bool:
+        """Whether the forward receives packet features (packet_features, Atom engines)."""
+        return self.packet_features and self.is_atom
 
     def torch_kwargs(self) -> dict[str, Any]:
         """The PyTorch reference constructor's arguments (what an export's "config" holds):
@@ -226,7 +237,7 @@ def split_fields(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 UNKNOWN_KEYS = ("warn", "ignore", "error")
 # Fields added after run directories were written whose default is the function those runs
 # computed: a saved config that lacks one takes its default without a note.
-SAME_FUNCTION_DEFAULTS = ("carry_decay", "learn_carry_decay")
+SAME_FUNCTION_DEFAULTS = ("carry_decay", "learn_carry_decay", "packet_features")
 
 
 def field_values(cls, d: dict[str, Any], unknown: str = "warn", log: Optional[Callable[[str], None]] = None,

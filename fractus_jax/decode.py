@@ -27,6 +27,12 @@ position (parent routing reads the LAST position, which is real). The same argum
 MoE routing (``capacity_factor=None``); with a capacity, pad positions and other rows
 compete for expert slots, exactly as they would in a training chunk.
 
+Packet features: an engine that feeds them (`EngineConfig.feeds_features`) gets them in
+modes "chunk" and "window", computed on the host (`jax.pure_callback` on
+`atom.features.atom_features`) for each chunk or window, with the FEATURE_CONTEXT ids before
+it as context when the text holds that many, as the trainer's loader does; mode "step"
+(one id a chunk) is refused for such an engine.
+
 Stop: a row is done after it emits ``eos_id`` (the EOS is kept as its last id); later
 positions hold ``pad_id`` with confidence 0, and the loop ends early once all rows are
 done. Temperature ``None`` or 0 is greedy (argmax, no ban on repeats); otherwise ids
@@ -42,7 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fractus_jax import model
+from fractus_jax.atom.features import FEATURE_CONTEXT, atom_features
 from fractus_jax.atom.ids import EOS as EOS_ID
+from fractus_jax.atom.ids import FEAT_DIM
 from fractus_jax.atom.ids import PAD as PAD_ID
 from fractus_jax.config import EngineConfig, Execution
 from fractus_jax.dtypes import accum_dtype
@@ -59,6 +67,9 @@ def check_decode_args(cfg: EngineConfig, max_new: int, mode: str, window: int,
         raise ValueError(f"max_new must be >= 1, got {max_new}")
     if mode in ("window", "chunk") and int(window) < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if mode == "step" and cfg.feeds_features:
+        raise ValueError("mode 'step' cannot feed packet features (the engine takes them at boundary ids, from "
+                         "the packet each closes): decode this engine in mode 'chunk' or 'window'")
     if mode == "chunk" and not cfg.is_atom:
         raise ValueError("mode 'chunk' decodes Atom engines only: the parent routes a chunk by its last "
                          "position, which a chunk decoded so far does not hold yet")
@@ -87,9 +98,38 @@ def select_ids(logits_BxV, key, temperature: Optional[float], top_k: int):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _last(params, cfg, ex, state, ids_BxC):
+def _host_features(ids_BxC, left_BxF, n_left):
+    """atom_features of ids with the last n_left ids of left as their context (none: 0)."""
+    n = int(n_left)
+    left = np.asarray(left_BxF)[:, left_BxF.shape[1] - n:] if n else None
+    return atom_features(np.asarray(ids_BxC), left=left).astype(np.float32)
+
+
+def host_features(ids_BxC, left_BxF, n_left):
+    """`atom_features` from inside a jitted function: (B, C, FEAT_DIM) float32 of ids_BxC,
+    the last n_left (traced) ids of left_BxF their context."""
+    B, C = ids_BxC.shape
+    return jax.pure_callback(_host_features, jax.ShapeDtypeStruct((B, C, FEAT_DIM), jnp.float32),
+                             ids_BxC, left_BxF, n_left)
+
+
+def features(cfg: EngineConfig, seq_BxT, start, C: int, text_start=0):
+    """The packet features (B, C, FEAT_DIM) of seq[:, start:start + C], with the
+    FEATURE_CONTEXT ids before it as context when the text (which begins at seq[:,
+    text_start]) holds that many, computed on the host as the loader computes them; None for
+    an engine that takes none."""
+    if not cfg.feeds_features:
+        return None
+    B = seq_BxT.shape[0]
+    chunk = jax.lax.dynamic_slice(seq_BxT, (jnp.int32(0), start), (B, C))
+    left = jax.lax.dynamic_slice(seq_BxT, (jnp.int32(0), jnp.maximum(start - FEATURE_CONTEXT, 0)),
+                                 (B, FEATURE_CONTEXT))
+    return host_features(chunk, left, jnp.where(start - text_start >= FEATURE_CONTEXT, FEATURE_CONTEXT, 0))
+
+
+def _last(params, cfg, ex, state, ids_BxC, feats=None):
     """One chunk forward; (logits at the last position (B, V), confidence there (B,), new state)."""
-    h, _, new_state = model.forward_hidden(params, state, ids_BxC, cfg, ex=ex)
+    h, _, new_state = model.forward_hidden(params, state, ids_BxC, cfg, feats, ex=ex)
     h_last = h[:, -1]
     logits = model.logits_from_hidden(params, h_last[:, None])[:, 0]
     return logits, model.confidence(params, h_last), new_state
@@ -153,19 +193,20 @@ def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: st
         # The prompt's whole chunks before the one its last id is in, from the zero carry.
         full = (P - 1) // C
 
-        def prefill(state, chunk_BxC):   # one traced forward however long the prompt
-            return _last(params, cfg, ex, state, chunk_BxC)[2], None
-
-        chunks = prompt[:, :full * C].reshape(B, full, C).transpose(1, 0, 2)
-        state, _ = jax.lax.scan(prefill, zero, chunks)
         # C pad columns behind: the chunk of C from any start is a slice of seq.
         seq = jnp.concatenate([prompt, jnp.full((B, N + C), pad_id, jnp.int32)], axis=1)
+
+        def prefill(state, k):   # one traced forward however long the prompt
+            chunk = jax.lax.dynamic_slice(seq, (jnp.int32(0), k * C), (B, C))
+            return _last(params, cfg, ex, state, chunk, features(cfg, seq, k * C, C))[2], None
+
+        state, _ = jax.lax.scan(prefill, zero, jnp.arange(full, dtype=jnp.int32))
 
         def body(c):
             i, seq, state, start, out = c
             n = P + i                                    # ids so far; the chunk so far is seq[start:n]
             chunk = jax.lax.dynamic_slice(seq, (jnp.int32(0), start), (B, C))
-            h, _, after = model.forward_hidden(params, state, chunk, cfg, ex=ex)
+            h, _, after = model.forward_hidden(params, state, chunk, cfg, features(cfg, seq, start, C), ex=ex)
             h_last = jax.lax.dynamic_index_in_dim(h, n - 1 - start, axis=1, keepdims=False)
             logits = model.logits_from_hidden(params, h_last[:, None])[:, 0]
             new, out = emit(i, logits, model.confidence(params, h_last), out)
@@ -184,7 +225,7 @@ def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: st
         def body(c):
             i, seq, out = c
             ids_win = jax.lax.dynamic_slice(seq, (jnp.int32(0), P + i), (B, W))
-            logits, conf, _ = _last(params, cfg, ex, zero, ids_win)
+            logits, conf, _ = _last(params, cfg, ex, zero, ids_win, features(cfg, seq, P + i, W, text_start=W))
             new, out = emit(i, logits, conf, out)
             seq = jax.lax.dynamic_update_slice(seq, new[:, None], (jnp.int32(0), W + P + i))
             return i + 1, seq, out

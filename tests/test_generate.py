@@ -138,6 +138,50 @@ def test_chunk_mode_equals_the_chunks_run_by_hand_with_their_carry():
         dec.check_decode_args(config.tiny(variant="parent", bos_id=None), N, "chunk", C, None, 0)
 
 
+def test_an_engine_fed_packet_features_decodes_with_them():
+    """packet_features: mode "chunk" gives each id from the chunk so far with its packet
+    features (the 64 ids before the chunk their context once the text holds that many), as
+    the chunks run by hand with `atom_features`; without the features (the same weights) the
+    ids differ, in modes chunk and window; mode step is refused."""
+    cfg = config.tiny(capacity_factor=None, carry_decay=(0.8, 0.95), packet_features=True)
+    C, N = 8, 24
+    with jax.enable_x64(True):
+        params = move_off_init(model.init_params(cfg, jax.random.PRNGKey(0), jnp.float64), jax.random.PRNGKey(1))
+        prompt = atom.encode_open("import os, sys\n\ndef main(argv): return os.path.join(argv[0], 'x') + 1 ")
+        prompt = prompt[None].astype(np.int32)
+        P = prompt.shape[1]
+        assert P > 64 + C
+        key = jax.random.PRNGKey(5)
+        ids, _, _ = dec.decode_ids(params, cfg, prompt, N, mode="chunk", window=C, temperature=1.0, key=key)
+        hid = jax.jit(model.forward_hidden, static_argnums=3)
+
+        def feats(seq, start, stop):
+            left = np.asarray([seq[start - 64:start]]) if start >= 64 else None
+            return jnp.asarray(atom.features.atom_features(np.asarray([seq[start:stop]]), left=left), jnp.float64)
+
+        seq = prompt[0].tolist()
+        state = model.init_state(cfg, 1, jnp.float64)
+        for start in range(0, (P - 1) // C * C, C):
+            _, _, state = hid(params, state, jnp.asarray([seq[start:start + C]]), cfg, feats(seq, start, start + C))
+        want = []
+        for i in range(N):
+            start = (len(seq) - 1) // C * C
+            h, _, after = hid(params, state, jnp.asarray([seq[start:]]), cfg, feats(seq, start, len(seq)))
+            logits = model.logits_from_hidden(params, h[:, -1:])[:, 0]
+            want.append(int(dec.select_ids(logits, jax.random.fold_in(key, i), 1.0, 0)[0]))
+            if len(seq) - start == C:
+                state = after
+            seq.append(want[-1])
+        np.testing.assert_array_equal(np.asarray(ids)[0], want)
+        blind = cfg.replace(packet_features=False)
+        for mode in ("chunk", "window"):
+            got = dec.decode_ids(params, cfg, prompt, N, mode=mode, window=C, temperature=1.0, key=key)[0]
+            without = dec.decode_ids(params, blind, prompt, N, mode=mode, window=C, temperature=1.0, key=key)[0]
+            assert not np.array_equal(np.asarray(got), np.asarray(without)), mode
+    with pytest.raises(ValueError, match="packet features"):
+        dec.check_decode_args(cfg, N, "step", C, None, 0)
+
+
 def test_sampling_is_reproducible_and_seeded(random64):
     params, prompt, key, N, W, out = random64
     with jax.enable_x64(True):

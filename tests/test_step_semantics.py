@@ -10,7 +10,7 @@ import optax
 import fractus_jax as fj
 from fractus_jax import model, sharding
 from fractus_jax.atom.corpus import build_corpus, open_corpus
-from fractus_jax.atom.features import FEATURE_CONTEXT
+from fractus_jax.atom.features import FEATURE_CONTEXT, atom_features
 from fractus_jax.eval.__main__ import main as eval_main
 from fractus_jax.lanes import LaneReader
 from fractus_jax.train import checkpoint as ckpt_lib
@@ -19,6 +19,7 @@ from fractus_jax.train import loop
 from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train import state as state_lib
 from fractus_jax.train import objective
+from fractus_jax.train import probes as probes_lib
 from fractus_jax.train import step as step_lib
 from fractus_jax.train.data import chunk_features
 from engine_testing import move_off_init
@@ -173,6 +174,17 @@ def test_a_run_with_packet_features_learns_a_memorisable_text_and_logs_its_own_c
     assert float(jnp.abs(without_feats - logits).max()) > 1e-3   # the features enter the step
     got = next(m["ce_tf"] for m in log if m["step"] == 21)
     assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (got, want)
+
+    # the probes feed the features too: the teacher-forced CE is the rows' with their features
+    corpus = open_corpus(tmp_path / "a.u16")
+    prober = probes_lib.Prober(cfg, corpus)
+    got = prober.run(state["params"])
+    rows = np.asarray(prober.rows)
+    with_feats = probes_lib._teacher_forced(state["params"], prober.rows, prober.cfg, prober.ex,
+                                            jnp.asarray(atom_features(rows[:, :-1])))
+    assert abs(got["probe_ce"] - float(with_feats["ce"])) <= 1e-5
+    blind = probes_lib.Prober(cfg_lib.apply_overrides(cfg, ["model.packet_features=false"]), corpus).run(state["params"])
+    assert abs(blind["probe_ce"] - got["probe_ce"]) > 1e-3 and blind["ar_ce"] != got["ar_ce"]
 
     # the val_corpus file: logged at step 30 as the eval command scores it
     assert eval_main(["--ckpt", str(workdir), "--ids", "1024", "--json", "--no-progress"]) == 0

@@ -460,6 +460,22 @@ def test_carry_decay_settings_that_cannot_work_are_refused():
     assert EngineConfig.from_dict(saved, unknown="error", log=said.append) == tiny.model and not said
 
 
+def test_packet_features_are_the_engines_and_old_configs_bring_theirs():
+    """The features the forward receives are part of the engine's config (what every reader
+    of the weights loads): `--set feats=true` sets model.packet_features, and a config saved
+    before they moved there (a top-level "feats") brings its value into the engine."""
+    tiny = cfg_lib.load_config("tiny")
+    fed = cfg_lib.apply_overrides(tiny, ["feats=true"])
+    assert fed.model.packet_features and fed.feats and fed.model.feeds_features and not tiny.feats
+    old = fed.to_dict()
+    old["feats"] = old["model"].pop("packet_features")
+    said = []
+    back = cfg_lib.TrainConfig.from_dict(old, unknown="error", log=said.append)
+    assert back == fed and not said
+    parent = cfg_lib.apply_overrides(tiny, ["feats=true", "model.variant=parent", "model.bos_id=none"])
+    assert not parent.feats   # the parent engine takes no packet features
+
+
 def test_a_missing_config_file_is_named_as_given(tmp_path):
     missing = str(tmp_path / "cfg.py")
     with pytest.raises(cfg_lib.ConfigError) as e:

@@ -4,5 +4,7 @@ directories (`run`), and the command line ``python -m fractus_jax.convert``.
 
 The state-dict functions stay reachable here, as the public engine API names them
 (README.md): `fractus_jax.convert.params_from_torch` and the rest."""
-from fractus_jax.convert.state_dicts import (ConversionError, params_from_torch, params_to_torch,  # noqa: F401
+from fractus_jax.convert.state_dicts import (ConversionError, params_from_torch, params_to_torch,
                                              state_from_torch, state_to_torch)
+
+__all__ = ["ConversionError", "params_from_torch", "params_to_torch", "state_from_torch", "state_to_torch"]

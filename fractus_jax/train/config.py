@@ -87,7 +87,6 @@ class TrainConfig:
     val_ids: int = 4096               # the fixed held-out slice: the first val_ids ids of the held-out part
     val_lanes: int = 4                # ... read in this many lanes, chunks of seq_len, the carry flowing
     start_token: Optional[int] = None  # offset inside each lane; None: 0 fresh, the checkpoint's on resume
-    feats: bool = False               # atom packet features (fractus_jax.atom.features) into the engine
     seed: int = 0
     log_every: int = 10
     tensorboard: bool = True          # the metrics log's records also as event files in WORKDIR/tensorboard
@@ -204,6 +203,11 @@ class TrainConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in RUN_FIELDS}
         return dataclasses.replace(self, **defaults)
 
+    @property
+    def feats(self) -> bool:
+        """Whether the step feeds packet features: the engine's `feeds_features`."""
+        return self.model.feeds_features
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -218,6 +222,10 @@ class TrainConfig:
             d = dict(d)
             if "model" in d and "execution" not in d:   # written before Execution: both under "model"
                 d["model"], d["execution"] = split_fields(d["model"])
+            if "feats" in d:   # written before the features joined the engine's config
+                feats = d.pop("feats")
+                if "model" in d:
+                    d["model"] = {"packet_features": feats, **d["model"]}
             d = field_values(cls, d, unknown, log)
             groups = {"model": EngineConfig, "execution": Execution, "mesh": MeshConfig, "grow": GrowConfig}
             for name, group in groups.items():
@@ -237,6 +245,7 @@ ALIASES = {
     "ACCUM": "accum", "BLOCK_CKPT": "execution.remat", "PROBE_EVERY": "probe_every",
     "MAX_STEPS": "max_steps", "CKPT_IN": "init_from",
     "remat": "execution.remat", "dtype": "execution.compute_dtype",
+    "feats": "model.packet_features",
 }
 # The execution fields' names from before they left the engine config (model.kernels, ...):
 # still accepted, each with a note naming its new path.

@@ -14,7 +14,7 @@ from fractus_jax.train.config import TrainConfig
 
 # The TrainConfig fields `train_loss` reads (besides `model` and `execution`): configs equal in these share
 # one `reach` analysis.
-LOSS_FIELDS = ("batch_size", "seq_len", "feats", "lb_coef", "repeat_coef", "ce_chunk", "bptt_chunks")
+LOSS_FIELDS = ("batch_size", "seq_len", "lb_coef", "repeat_coef", "ce_chunk", "bptt_chunks")
 
 
 def train_loss(params, carry, inputs_BxC, targets_BxC, feats, cfg: TrainConfig, ce_weight: float,

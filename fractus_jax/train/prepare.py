@@ -364,16 +364,26 @@ def check_resume(cfg: TrainConfig, workdir: Path, manifest: dict) -> None:
                          "file to score: val_corpus=FILE)")
     lacking = moments_lacking(old, cfg)
     if lacking:
+        keep = [f"{k}={old[k]}" for k in LOSS_REACH_FIELDS if k in old and old[k] != getattr(cfg, k)]
+        fed = _fed_features(old)
+        if fed is not None and fed != cfg.model.packet_features:
+            keep.append(f"model.packet_features={str(fed).lower()}")
         raise TrainError(f"{workdir}: the optimizer would now step {', '.join(lacking[:4])}"
                          f"{', ...' if len(lacking) > 4 else ''}, which the checkpoint's run left alone (the loss "
-                         f"did not reach them) and holds no moments for; keep "
-                         + ", ".join(f"{k}={old[k]}" for k in LOSS_REACH_FIELDS if k in old and old[k] != getattr(cfg, k)))
+                         f"did not reach them) and holds no moments for; keep " + ", ".join(keep))
     if cfg.start_token == 0:
         raise TrainError(f"{workdir} has a checkpoint at step {manifest['step']}: start_token=0 would restart "
                          f"the data; drop it to resume at {manifest['start_token_next']}")
 
 
-LOSS_REACH_FIELDS = ("step_unreached", "feats", "lb_coef", "repeat_coef", "bptt_chunks")
+LOSS_REACH_FIELDS = ("step_unreached", "lb_coef", "repeat_coef", "bptt_chunks")
+
+
+def _fed_features(old: dict) -> Optional[bool]:
+    """Whether the run of config dict `old` fed packet features (its model's packet_features,
+    or the top-level feats of a run from before they joined the engine's config)."""
+    value = old.get("feats", (old.get("model") or {}).get("packet_features"))
+    return None if value is None else bool(value)
 
 
 def moments_lacking(old: dict, cfg: TrainConfig) -> list[str]:
@@ -384,6 +394,8 @@ def moments_lacking(old: dict, cfg: TrainConfig) -> list[str]:
     if "step_unreached" not in old:
         return []
     was = dataclasses.replace(cfg, **{k: old[k] for k in LOSS_REACH_FIELDS if k in old})
+    if _fed_features(old) is not None:
+        was = dataclasses.replace(was, model=was.model.replace(packet_features=_fed_features(old)))
     if was == cfg:
         return []
     abstract = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.PRNGKey(0)))

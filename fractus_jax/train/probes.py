@@ -5,12 +5,14 @@ same corpus rows every time), so values are comparable across steps and across r
   * ce / echo: teacher-forced CE on probe rows, and the fraction of positions whose argmax
     repeats the input id (an echoing model has low CE on repetitive text, and no speech);
   * the speech gate: greedy decoding of 40 ids from an open prefix; unique ids and unique
-    bytes among them (a model that only emits spaces has 1). It decodes as the run trained:
-    the carry streamed (step mode), or the window of seq_len ids for a run whose every
-    chunk started from the initial carry (`TrainConfig.trained_window`);
+    bytes among them (a model that only emits spaces has 1). It decodes as the run trained
+    (`TrainConfig.trained_decoding`): chunks of seq_len carrying the state for an Atom run
+    that streams its carry, a window of seq_len ids for one whose every chunk started from
+    the initial carry, one id at a time for the parent;
   * AR eval: warm on 32 true ids, then 32 greedy steps fed back; CE of those predictions
     against the true continuation and the rate of exact matches;
   * load balance per block: lb, expert hits, alive experts (≥ 1 hit), capacity keep rate.
+An engine that takes packet features (`EngineConfig.feeds_features`) gets them in every probe.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ import numpy as np
 
 from fractus_jax import model
 from fractus_jax.atom import decode, encode_open
+from fractus_jax.atom.features import FEATURE_CONTEXT, atom_features
 from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
-from fractus_jax.decode import decode_ids, speech_counts
+from fractus_jax.decode import decode_ids, host_features, speech_counts
 from fractus_jax.train.config import TrainConfig
 
 PROBE_ROWS = 4
@@ -38,10 +41,10 @@ def _probe_rows(corpus, n_rows: int, length: int) -> np.ndarray:
     return np.stack([np.asarray(corpus.ids[s:s + length + 1], np.int32) for s in starts])
 
 
-def _teacher_forced(params, rows, cfg, ex):
+def _teacher_forced(params, rows, cfg, ex, feats=None):
     inputs, targets = rows[:, :-1], rows[:, 1:]
     state = model.init_state(cfg, rows.shape[0])
-    h, aux, _ = model.forward_hidden(params, state, inputs, cfg, ex=ex)
+    h, aux, _ = model.forward_hidden(params, state, inputs, cfg, feats, ex=ex)
     logits = model.logits_from_hidden(params, h).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, -1)
     ce = -jnp.take_along_axis(logp, targets[..., None], -1).mean()
@@ -52,21 +55,33 @@ def _teacher_forced(params, rows, cfg, ex):
 
 
 def _ar_eval(params, rows, cfg, ex):
-    """Warm on WARM true ids, then FREE greedy steps with C = 1, each fed its own guess."""
+    """Warm on WARM true ids, then FREE greedy steps with C = 1, each fed its own guess (and,
+    for an engine that takes packet features, the features of each id, the ids read
+    before it its context)."""
+    B = rows.shape[0]
     warm, truth = rows[:, :WARM], rows[:, WARM:WARM + FREE]
-    state = model.init_state(cfg, rows.shape[0])
-    h, _, state = model.forward_hidden(params, state, warm, cfg, ex=ex)
+    state = model.init_state(cfg, B)
+    feats = host_features(warm, warm, 0) if cfg.feeds_features else None
+    h, _, state = model.forward_hidden(params, state, warm, cfg, feats, ex=ex)
     logits = model.logits_from_hidden(params, h[:, -1:])[:, 0]
+    # the last FEATURE_CONTEXT ids read, the newest last (the guesses' context)
+    history = jnp.concatenate([jnp.zeros((B, FEATURE_CONTEXT), jnp.int32), warm.astype(jnp.int32)], 1)
+    history = history[:, -FEATURE_CONTEXT:]
 
-    def step(carry, true_id):
-        state, logits = carry
+    def step(carry, xs):
+        state, logits, history = carry
+        true_id, t = xs
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
         ce = -jnp.take_along_axis(logp, true_id[:, None], -1)[:, 0]
         guess = jnp.argmax(logits, -1).astype(jnp.int32)
-        h, _, state = model.forward_hidden(params, state, guess[:, None], cfg, ex=ex)
-        return (state, model.logits_from_hidden(params, h)[:, 0]), (ce, guess == true_id)
+        f = (host_features(guess[:, None], history, jnp.minimum(t, FEATURE_CONTEXT))
+             if cfg.feeds_features else None)
+        h, _, state = model.forward_hidden(params, state, guess[:, None], cfg, f, ex=ex)
+        history = jnp.concatenate([history[:, 1:], guess[:, None]], 1)
+        return (state, model.logits_from_hidden(params, h)[:, 0], history), (ce, guess == true_id)
 
-    _, (ce, match) = jax.lax.scan(step, (state, logits), truth.T)
+    steps = (truth.T, WARM + jnp.arange(truth.shape[1], dtype=jnp.int32))
+    _, (ce, match) = jax.lax.scan(step, (state, logits, history), steps)
     return {"ce": ce.mean(), "match": match.mean()}
 
 
@@ -80,7 +95,10 @@ class Prober:
         # Decoding feeds chunks of a few tokens: capacity would drop their assignments.
         self.decode_cfg = self.cfg.for_inference()
         self.ex = cfg.execution.for_inference()
-        self.rows = jnp.asarray(_probe_rows(corpus, PROBE_ROWS, max(PROBE_LEN, WARM + FREE)))
+        rows = _probe_rows(corpus, PROBE_ROWS, max(PROBE_LEN, WARM + FREE))
+        self.rows = jnp.asarray(rows)
+        # Packet features of the teacher-forced rows (from their start, as a fresh chunk's).
+        self.feats = jnp.asarray(atom_features(rows[:, :-1])) if self.cfg.feeds_features else None
         self._tf = jax.jit(_teacher_forced, static_argnums=(2, 3))
         self._ar = jax.jit(_ar_eval, static_argnums=(2, 3))
         mode, window = cfg.trained_decoding()
@@ -90,7 +108,7 @@ class Prober:
             self.prompt = jnp.asarray(encode_open(SPEECH_PROMPT), jnp.int32)[None]
 
     def run(self, params, initial: bool = False) -> dict:
-        tf = jax.device_get(self._tf(params, self.rows, self.cfg, self.ex))
+        tf = jax.device_get(self._tf(params, self.rows, self.cfg, self.ex, self.feats))
         ar = jax.device_get(self._ar(params, self.rows, self.decode_cfg, self.ex))
         prefix = "init" if initial else "probe"
         out = {f"{prefix}_ce": float(tf["ce"]), f"{prefix}_echo": float(tf["echo"]),
