@@ -120,6 +120,8 @@ TABLES = {
         ("running sum, streamed, K=4", [*bptt(4), *NO_RESET, *RUNNING_SUM]),
         ("learned decay from ladder h=10, streamed, K=4", [*bptt(4), *NO_RESET, ladder(10),
                                                            "model.learn_carry_decay=true"]),
+        ("learned decay from ladder h=10, 32-id chunks, streamed, K=4", [
+            "batch_size=32", "seq_len=32", *bptt(4), *NO_RESET, ladder(10), "model.learn_carry_decay=true"]),
     ]),
 }
 TIMED = {"study", "carry"}   # tables whose rows get equal wall time (--minutes), not their own steps
