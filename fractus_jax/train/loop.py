@@ -1,7 +1,7 @@
 """The step loop: state from the plan, then steps, with the saves, probes, held-out scores and
 logs that follow them.
 
-The plan (`plan.prepare`) has checked everything a user can get wrong; the run directory
+The plan (`prepare.prepare`) has checked everything a user can get wrong; the run directory
 (`rundir.RunDir`, `checkpoint.RunCheckpointer`) holds the files; the stop and save policy
 (`policy`) decides, the same on every process, when to save by time and when to stop.
 Inside the loop the host never waits on the device except to read step n−1's metrics after
