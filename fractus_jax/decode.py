@@ -113,18 +113,16 @@ def host_features(ids_BxC, left_BxF, n_left):
                              ids_BxC, left_BxF, n_left)
 
 
-def features(cfg: EngineConfig, seq_BxT, start, C: int, text_start=0):
-    """The packet features (B, C, FEAT_DIM) of seq[:, start:start + C], with the
+def features(cfg: EngineConfig, seq_BxT, start, chunk_BxC, text_start=0):
+    """The packet features (B, C, FEAT_DIM) of chunk = seq[:, start:start + C], with the
     FEATURE_CONTEXT ids before it as context when the text (which begins at seq[:,
     text_start]) holds that many, computed on the host as the loader computes them; None for
     an engine that takes none."""
     if not cfg.feeds_features:
         return None
-    B = seq_BxT.shape[0]
-    chunk = jax.lax.dynamic_slice(seq_BxT, (jnp.int32(0), start), (B, C))
     left = jax.lax.dynamic_slice(seq_BxT, (jnp.int32(0), jnp.maximum(start - FEATURE_CONTEXT, 0)),
-                                 (B, FEATURE_CONTEXT))
-    return host_features(chunk, left, jnp.where(start - text_start >= FEATURE_CONTEXT, FEATURE_CONTEXT, 0))
+                                 (seq_BxT.shape[0], FEATURE_CONTEXT))
+    return host_features(chunk_BxC, left, jnp.where(start - text_start >= FEATURE_CONTEXT, FEATURE_CONTEXT, 0))
 
 
 def _last(params, cfg, ex, state, ids_BxC, feats=None):
@@ -198,7 +196,7 @@ def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: st
 
         def prefill(state, k):   # one traced forward however long the prompt
             chunk = jax.lax.dynamic_slice(seq, (jnp.int32(0), k * C), (B, C))
-            return _last(params, cfg, ex, state, chunk, features(cfg, seq, k * C, C))[2], None
+            return _last(params, cfg, ex, state, chunk, features(cfg, seq, k * C, chunk))[2], None
 
         state, _ = jax.lax.scan(prefill, zero, jnp.arange(full, dtype=jnp.int32))
 
@@ -206,7 +204,7 @@ def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: st
             i, seq, state, start, out = c
             n = P + i                                    # ids so far; the chunk so far is seq[start:n]
             chunk = jax.lax.dynamic_slice(seq, (jnp.int32(0), start), (B, C))
-            h, _, after = model.forward_hidden(params, state, chunk, cfg, features(cfg, seq, start, C), ex=ex)
+            h, _, after = model.forward_hidden(params, state, chunk, cfg, features(cfg, seq, start, chunk), ex=ex)
             h_last = jax.lax.dynamic_index_in_dim(h, n - 1 - start, axis=1, keepdims=False)
             logits = model.logits_from_hidden(params, h_last[:, None])[:, 0]
             new, out = emit(i, logits, model.confidence(params, h_last), out)
@@ -225,7 +223,7 @@ def decode_ids(params, cfg: EngineConfig, prompt_ids_BxP, max_new: int, mode: st
         def body(c):
             i, seq, out = c
             ids_win = jax.lax.dynamic_slice(seq, (jnp.int32(0), P + i), (B, W))
-            logits, conf, _ = _last(params, cfg, ex, zero, ids_win, features(cfg, seq, P + i, W, text_start=W))
+            logits, conf, _ = _last(params, cfg, ex, zero, ids_win, features(cfg, seq, P + i, ids_win, text_start=W))
             new, out = emit(i, logits, conf, out)
             seq = jax.lax.dynamic_update_slice(seq, new[:, None], (jnp.int32(0), W + P + i))
             return i + 1, seq, out

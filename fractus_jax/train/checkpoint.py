@@ -550,12 +550,13 @@ def one_device_abstract(cfg: TrainConfig):
                         train_state.abstract_train_state(cfg))
 
 
-def restore_one_device(run_dir, step: int, cfg: TrainConfig, items=("params", "opt_state", "extra")):
+def restore_one_device(run_dir, step: int, cfg: TrainConfig, items=("params", "opt_state", "extra"),
+                       abstract=None):
     """(state, meta) of one step on the first device, in the shapes of cfg (that step's config:
-    `read_step`)."""
+    `read_step`), or into `abstract` (ShapeDtypeStructs with their shardings) when given."""
     ckpt = RunCheckpointer(run_dir, read_only=True)
     try:
-        return ckpt.restore(one_device_abstract(cfg), step, items=items)
+        return ckpt.restore(one_device_abstract(cfg) if abstract is None else abstract, step, items=items)
     except CheckpointError:
         raise
     except Exception as e:   # noqa: BLE001 - a damaged or unreadable file fails in many ways
@@ -582,17 +583,9 @@ def load_for_inference(ckpt, step: Optional[int] = None, params_shardings=None):
     restored straight into `params_shardings` (the shardings of a parameter tree of the same
     engine: each device reads its own shards, and nothing passes through one device)."""
     run_dir, step, cfg = checkpoint_config(ckpt, step)
-    if params_shardings is None:
-        state, _ = restore_one_device(run_dir, step, cfg, items=("params",))
-        return state["params"], cfg.model
-    abstract = train_state.abstract_train_state(cfg)
-    abstract["params"] = abstract_with_shardings(abstract["params"], params_shardings)
-    ckpt_ = RunCheckpointer(run_dir, read_only=True)
-    try:
-        state, _ = ckpt_.restore(abstract, step, items=("params",))
-    except Exception as e:   # noqa: BLE001 - a damaged or unreadable file fails in many ways
-        raise CheckpointError(f"{Path(run_dir) / CHECKPOINTS / str(step)} could not be restored "
-                              f"({rundir.reason(e)})") from None
-    finally:
-        ckpt_.close()
+    abstract = None
+    if params_shardings is not None:
+        abstract = train_state.abstract_train_state(cfg)
+        abstract["params"] = abstract_with_shardings(abstract["params"], params_shardings)
+    state, _ = restore_one_device(run_dir, step, cfg, items=("params",), abstract=abstract)
     return state["params"], cfg.model

@@ -54,15 +54,14 @@ def _teacher_forced(params, rows, cfg, ex, feats=None):
             "alive_experts": alive, "expert_hits": aux.expert_hits}
 
 
-def _ar_eval(params, rows, cfg, ex):
+def _ar_eval(params, rows, cfg, ex, feats=None):
     """Warm on WARM true ids, then FREE greedy steps with C = 1, each fed its own guess (and,
     for an engine that takes packet features, the features of each id, the ids read
-    before it its context)."""
+    before it its context). feats: the rows' features (the warm-up reads its part)."""
     B = rows.shape[0]
     warm, truth = rows[:, :WARM], rows[:, WARM:WARM + FREE]
     state = model.init_state(cfg, B)
-    feats = host_features(warm, warm, 0) if cfg.feeds_features else None
-    h, _, state = model.forward_hidden(params, state, warm, cfg, feats, ex=ex)
+    h, _, state = model.forward_hidden(params, state, warm, cfg, None if feats is None else feats[:, :WARM], ex=ex)
     logits = model.logits_from_hidden(params, h[:, -1:])[:, 0]
     # the last FEATURE_CONTEXT ids read, the newest last (the guesses' context)
     history = jnp.concatenate([jnp.zeros((B, FEATURE_CONTEXT), jnp.int32), warm.astype(jnp.int32)], 1)
@@ -109,7 +108,7 @@ class Prober:
 
     def run(self, params, initial: bool = False) -> dict:
         tf = jax.device_get(self._tf(params, self.rows, self.cfg, self.ex, self.feats))
-        ar = jax.device_get(self._ar(params, self.rows, self.decode_cfg, self.ex))
+        ar = jax.device_get(self._ar(params, self.rows, self.decode_cfg, self.ex, self.feats))
         prefix = "init" if initial else "probe"
         out = {f"{prefix}_ce": float(tf["ce"]), f"{prefix}_echo": float(tf["echo"]),
                "ar_ce": float(ar["ce"]), "ar_match": float(ar["match"]),
