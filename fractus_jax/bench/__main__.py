@@ -20,6 +20,8 @@ SUBCOMMANDS = {
               "the trainer's step: ids/s, analytic FLOPs per id, MFU against a measured peak"),
     "lanes": ("fractus_jax.bench.lanes",
               "the lane reader's ids/s from a set of shards against one file"),
+    "store": ("fractus_jax.bench.store",
+              "a checkpoint saved, uploaded to s3://, pulled and restored: MB/s of each leg"),
     "profile": ("fractus_jax.bench.profile",
                 "where the trainer's step spends its time: op time by component, pass, kind"),
 }

@@ -12,7 +12,7 @@ import jax
 from fractus_jax import hostmem
 from fractus_jax.atom.corpus import CorpusError
 from fractus_jax.lanes import LaneError
-from fractus_jax.train import config, loop, peers, policy, rundir
+from fractus_jax.train import config, loop, peers, policy, rundir, store
 from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train.errors import TrainError
 from fractus_jax.train.heldout import carry_schedule
@@ -23,7 +23,12 @@ from fractus_jax.train.tboard import DIRNAME as TENSORBOARD
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fractus_jax.train", description=__doc__)
     p.add_argument("--config", required=True, help="a config name (fractus_jax/configs/NAME.py), or a path to a config file")
-    p.add_argument("--workdir", required=True, type=rundir.local_path, help="run directory: checkpoints, manifest, metrics")
+    p.add_argument("--workdir", required=True, type=store.workdir_arg,
+                   help="run directory: checkpoints, manifest, metrics; a local path or s3://BUCKET/PATH "
+                        "(trained in a local stage, each commit uploaded)")
+    p.add_argument("--stage", type=rundir.local_path, metavar="DIR",
+                   help="with an s3:// --workdir: the local directory the run is trained in (default: "
+                        "FRACTUS_CACHE/stage/s3/BUCKET/PATH); the store stays the truth")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field (dotted: model.variant=parent) or a PyTorch trainer name (BATCH=16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -41,6 +46,8 @@ def parse_args(argv=None):
     dist.add_argument("--local-devices", type=int,
                       help="CPU only: devices per process (tests and rehearsals on one machine)")
     args = p.parse_args(argv)
+    if args.stage and not store.scheme_of(args.workdir):
+        p.error("--stage goes with an s3:// --workdir (a local run directory is its own stage)")
     if args.peer_timeout < peers.MIN_PEER_TIMEOUT_SECONDS:
         p.error(f"--peer-timeout {args.peer_timeout:g} is under {peers.MIN_PEER_TIMEOUT_SECONDS:g} s "
                 "(five heartbeats): a late heartbeat would read as a death")
@@ -115,19 +122,26 @@ def main(argv=None) -> int:
 def train(args, argv) -> int:
     user_errors = (config.ConfigError, TrainError, CorpusError, rundir.CheckpointError, LaneError)
     lead = jax.process_index() == 0
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    mirror = None
     try:
         cfg = config.apply_overrides(config.load_config(args.config), args.overrides)
-        plan = prepare_lib.prepare(cfg, args.workdir, progress=not args.no_progress,
-                                explicit=config.override_fields(args.overrides))
+        if store.scheme_of(args.workdir):   # the store's run, pulled into its stage
+            mirror = store.open_mirror(args.workdir, args.stage, log=log)
+            args.stage = str(mirror.stage)
+        plan = prepare_lib.prepare(cfg, local_dir(args), progress=not args.no_progress,
+                                   explicit=config.override_fields(args.overrides))
         # The run is about to train: the allocator's note now (not on a refused run).
         note = hostmem.cpu_training_note(jax.default_backend())
         if note and lead:
             print(note, file=sys.stderr)
-        last = loop.run(plan, progress=not args.no_progress,
-                        log=lambda msg: print(msg, file=sys.stderr))
+        last = loop.run(plan, progress=not args.no_progress, log=log, mirror=mirror)
     except user_errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if mirror is not None:
+            mirror.close(quiet=True)   # closed by the run already, unless it never started
     if last and lead:
         print(f"step {last['step']}: ce_tf {last['ce_tf']:.4f} ema_tf {last['ema_tf']:.4f} "
               f"{last['ids_per_s_tf']:.0f} ids/s", file=sys.stderr)
@@ -135,8 +149,13 @@ def train(args, argv) -> int:
         if line:
             print(line, file=sys.stderr)
     if lead:
-        print(outputs_summary(args, argv, plan.cfg, rundir.read_manifest(args.workdir)), file=sys.stderr)
+        print(outputs_summary(args, argv, plan.cfg, rundir.read_manifest(local_dir(args))), file=sys.stderr)
     return 0
+
+
+def local_dir(args) -> Path:
+    """The directory the run is trained in: --workdir, or the stage of an s3:// one."""
+    return Path(args.stage if store.scheme_of(args.workdir) else args.workdir)
 
 
 def held_out_line(plan, last: dict):
@@ -170,9 +189,9 @@ def _script(name: str) -> str:
 
 def outputs_summary(args, argv, cfg, manifest) -> str:
     """Where a finished (or stopped) run's outputs are, and the commands that use them."""
-    workdir = Path(args.workdir)
+    workdir = local_dir(args)
     q = shlex.quote
-    lines = [f"run directory: {workdir}"]
+    lines = [f"run directory: {args.workdir}" + (f" (trained in {workdir})" if workdir != Path(args.workdir) else "")]
     if manifest is None:
         lines.append("  no checkpoint yet")
     else:

@@ -217,9 +217,11 @@ class RunCheckpointer:
     """
 
     def __init__(self, workdir, keep: int = 3, read_only: bool = False, asynchronous: bool = False,
-                 log: Optional[Callable[[str], None]] = None):
+                 log: Optional[Callable[[str], None]] = None, mirror=None):
         self.workdir = Path(workdir)
         self.keep = keep
+        # A run on object storage (`store.Mirror`): each committed step is pushed to the store.
+        self.mirror = mirror
         self.read_only = read_only
         self.log = log or _stderr
         try:
@@ -282,11 +284,15 @@ class RunCheckpointer:
         """Saves will be of `state` (at a start, after a growth): until one of it is timed, the
         deadline margin reserves its `first_save_seconds`; times of another state's saves go."""
         self.commits = CommitTimes(first_save_seconds(state))
+        if self.mirror is not None:
+            self.mirror.expect(save_bytes(state)[1])
 
     def save_seconds(self) -> float:
         """A blocking save's expected seconds from now: the slowest of the last commit times,
-        twice that while a background save is still being written (a save waits for it first)."""
-        return self.commits.seconds() * (1 if self._pending is None else 2)
+        twice that while a background save is still being written (a save waits for it first);
+        for a run on object storage, with the upload to the store after it."""
+        seconds = self.commits.seconds() * (1 if self._pending is None else 2)
+        return seconds + (self.mirror.push_seconds() if self.mirror is not None else 0.0)
 
     def committed(self) -> bool:
         """A background save is being finished by nobody and has committed (this process's view)."""
@@ -330,6 +336,8 @@ class RunCheckpointer:
             raise rundir.io_error(f"cannot finish step {step} in", self.workdir, e, self.last_good) from None
         # The whole save: the copy off the devices, the write, the checksums, the manifest.
         self.commits.add(time.time() - self._save_started)
+        if self.mirror is not None:
+            self.mirror.push(step)   # in the background; the next save waits for it
 
     def _is_good(self, step: int) -> bool:
         if step not in self._good:

@@ -69,13 +69,15 @@ def after_step(cfg: TrainConfig, step: int, decision: policy_lib.Decision, probi
                      final=final, stop=decision.stop)
 
 
-def run(plan: Plan, progress: bool = True, log=print) -> dict:
+def run(plan: Plan, progress: bool = True, log=print, mirror=None) -> dict:
     """Train from the plan to cfg.max_steps (or a stop); returns the last logged metrics.
 
     The run directory is held for the run (`rundir.RunDir`: a second writer is refused) and
-    closed however the run ends: a save in flight commits, the lock is released."""
+    closed however the run ends: a save in flight commits, the lock is released. With a
+    `store.Mirror` (plan.workdir its stage), each committed step goes to the store and the
+    mirror is closed with the run."""
     rd = rundir.RunDir(plan.workdir, lead=jax.process_index() == 0, log=log,
-                       tensorboard=plan.cfg.tensorboard).open()
+                       tensorboard=plan.cfg.tensorboard, mirror=mirror).open()
     try:
         last = _Trainer(plan, rd, progress, log).train()
     except BaseException:
@@ -137,7 +139,8 @@ class _Trainer:
         self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
         abstract = state_lib.abstract_train_state(cfg)
         shardings = state_lib.train_state_shardings(cfg, self.mesh, abstract)
-        self.ckpt = ckpt_lib.RunCheckpointer(plan.workdir, keep=cfg.keep_checkpoints, asynchronous=True, log=log)
+        self.ckpt = ckpt_lib.RunCheckpointer(plan.workdir, keep=cfg.keep_checkpoints, asynchronous=True, log=log,
+                                             mirror=rd.mirror)
         rd.checkpointer = self.ckpt
         self.growth = list((plan.manifest or {}).get("growth") or [])
         meta = None

@@ -409,12 +409,13 @@ class RunDir:
     `lead` is the process that writes the files (process 0 of a multi-host run: the others
     take no lock and touch nothing here). Each record goes to the metrics log and, with
     `tensorboard`, to the event files. `close` closes what the run registered (its metrics
-    log, event files and checkpointer, whose close commits a save in flight) and releases
-    the lock.
+    log, event files and checkpointer, whose close commits a save in flight, then the mirror
+    of a run on object storage, which uploads it) and releases the lock.
     """
 
-    def __init__(self, workdir, lead: bool = True, log: Log = print, tensorboard: bool = False):
+    def __init__(self, workdir, lead: bool = True, log: Log = print, tensorboard: bool = False, mirror=None):
         self.workdir = Path(workdir)
+        self.mirror = mirror       # a run on object storage: `store.Mirror`, closed last
         self.lead = lead
         self.log = log
         self.tensorboard_on = tensorboard
@@ -493,6 +494,11 @@ class RunDir:
                 elif first is None:
                     first = e
         self.metrics = self.tensorboard = self.checkpointer = None
+        if self.mirror is not None:
+            try:
+                self.mirror.close(quiet=quiet)
+            except Exception as e:   # noqa: BLE001 - raised below, unless another came first
+                first = first or e
         self.lock.release()
         if first is not None:
             raise first

@@ -1,0 +1,578 @@
+"""A run directory on object storage: the store holds the committed run, this machine a stage.
+
+    python -m fractus_jax.train --config atom_1b --workdir s3://bucket/runs/a [--stage DIR]
+
+The trainer works in a local stage (`--stage`, by default under the cache directory) exactly
+as in a local run directory, and the store is its truth:
+
+    URL/lease.json                      the writer's lease (conditional puts; see `Lease`)
+    URL/checkpoints/<step>/...          a step's files, as the stage holds them once committed
+    URL/checkpoints/<step>/committed.json   written after the step's files and the logs:
+                                        the step's commit in the store (its files and sizes)
+    URL/metrics.jsonl, URL/tensorboard/*    the stage's logs, uploaded whole before each commit
+    URL/manifest.json                   uploaded after each commit
+    URL/rejected/<step>/...             steps a resume rejected, moved aside
+
+At the start the lease is taken and the store's committed steps and logs are pulled into the
+stage; a step the store does not hold as committed (an upload that was cut) is deleted from
+the store, and a stage step the store lacks is moved aside to STAGE/unpushed/. After each
+local commit (checksums and manifest written) the step is uploaded in a background thread:
+its files, the logs, then committed.json, then the manifest; retention and rejections are
+then mirrored. A store is never asked to append, rename or lock: every object is written
+whole by one PUT. The next save, and the end of the run, wait for the upload; an upload that
+failed stops the run with the step the store holds. The deadline's margin counts the upload
+(`Mirror.push_seconds`).
+
+Why a stage rather than Orbax writing to the bucket: orbax-checkpoint 0.12.8 hands array
+writes to tensorstore's own driver for gs:// only, and refuses an s3:// directory ("Checkpoint
+path should be absolute. Got s3:/..."). Each process of a multi-process run would need its
+own stage and a shared commit: this version serves one process (`open_mirror` refuses more). The library is fsspec's (s3fs for
+s3://); credentials and the endpoint come from the standard variables (AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...), as boto3 reads them.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+import jax
+
+from fractus_jax.train import rundir
+from fractus_jax.train.prepare import cache_dir
+from fractus_jax.train.rundir import CHECKPOINTS, MANIFEST, METRICS, ORBAX_TMP, REJECTED, CheckpointError, RunDirBusy
+from fractus_jax.train.tboard import DIRNAME as TENSORBOARD
+
+LEASE = "lease.json"
+COMMITTED = "committed.json"
+UNPUSHED = "unpushed"
+PULL_TMP = ORBAX_TMP + "-pull"       # a step being pulled (removed at start like Orbax's leftovers)
+LEASE_SECONDS = 120.0                # a lease not renewed for this long is free to take
+LEASE_RENEW_SECONDS = 30.0
+# An upload not yet timed is sized by its bytes at this rate (1 Gbit/s: a rented pod's
+# uplink to a bucket in another region is often no faster).
+UPLOAD_BYTES_PER_SECOND = 125e6
+RECENT_PUSHES = 5
+
+# scheme -> (the module fsspec needs for it, the extra that installs it); None: not served yet
+SCHEMES = {"s3": ("s3fs", "s3"), "gs": None}
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+
+Log = Callable[[str], None]
+
+
+def scheme_of(value: str) -> Optional[str]:
+    """The URL scheme of a --workdir value, or None for a local path."""
+    m = _URL.match(str(value))
+    return m.group(1).lower() if m else None
+
+
+def check_url(value: str) -> str:
+    """value if it is a local path or a URL this install can serve; else why not (ValueError):
+    a scheme not served, or its library missing (the extra named)."""
+    scheme = scheme_of(value)
+    if scheme is None:
+        return value
+    if scheme not in SCHEMES:
+        raise ValueError(f"{value!r}: a run directory is a local path or an s3:// URL, not {scheme}://")
+    served = SCHEMES[scheme]
+    if served is None:
+        raise ValueError(f"{value!r}: {scheme}:// is not served yet (s3:// is, for any S3-compatible store)")
+    module, extra = served
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{value!r} needs {module}, which is not installed: pip install 'fractus-jax[{extra}]'")
+    bucket, _, key = _URL.match(value).group(2).partition("/")
+    if not bucket or not key.strip("/"):
+        raise ValueError(f"{value!r}: give a bucket and a path inside it ({scheme}://BUCKET/PATH)")
+    return value
+
+
+def workdir_arg(value: str) -> str:
+    """The argparse type of a trainer's --workdir: a local path or a URL served here; any other
+    URL is refused (exit 2), never taken as the local directory its slashes collapse to."""
+    try:
+        return check_url(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def default_stage(url: str) -> Path:
+    """Where a URL's run is staged when --stage is not given: the cache directory's stage/."""
+    scheme, rest = _URL.match(url).groups()
+    return cache_dir() / "stage" / scheme / rest.strip("/")
+
+
+def _filesystem(scheme: str):
+    import fsspec   # installed with the s3 extra (s3fs): imported only when a URL is used
+    return fsspec.filesystem(scheme, skip_instance_cache=True)
+
+
+class Store:
+    """A URL's objects through fsspec: whole-object reads and writes, conditional puts."""
+
+    def __init__(self, url: str):
+        check_url(url)
+        self.url = url.rstrip("/")
+        self.scheme, rest = _URL.match(self.url).groups()
+        self.root = rest.strip("/")
+        self.bucket = self.root.split("/", 1)[0]
+        self.fs = _filesystem(self.scheme)
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *[p.strip("/") for p in parts if p]])
+
+    def url_of(self, *parts: str) -> str:
+        return f"{self.scheme}://{self.path(*parts)}"
+
+    def check_access(self) -> None:
+        """The bucket exists and the credentials read it: refused (CheckpointError) in one line."""
+        try:
+            self.fs.ls(self.bucket, detail=False, refresh=True)
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.url}: the bucket {self.bucket} does not exist (or this endpoint does "
+                                  f"not serve it){self._endpoint_words()}; create it first") from None
+        except PermissionError as e:
+            raise CheckpointError(f"{self.url}: access refused ({rundir.reason(e)}); check the credentials "
+                                  "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)") from None
+        except Exception as e:   # noqa: BLE001 - no credentials, no network, a bad endpoint
+            raise CheckpointError(f"{self.url}: cannot reach the store{self._endpoint_words()} "
+                                  f"({rundir.reason(e)})") from None
+
+    def _endpoint_words(self) -> str:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return f" at {endpoint}" if endpoint and self.scheme == "s3" else ""
+
+    def exists(self, *parts: str) -> bool:
+        return self.fs.exists(self.path(*parts))
+
+    def read(self, *parts: str) -> bytes:
+        return self.fs.cat_file(self.path(*parts))
+
+    def write(self, data: bytes, *parts: str, **conditions):
+        """One PUT of the whole object; returns the store's answer (with its ETag)."""
+        return self.fs.pipe_file(self.path(*parts), data, **conditions)
+
+    def etag(self, *parts: str) -> Optional[str]:
+        try:
+            return self.fs.info(self.path(*parts), refresh=True).get("ETag")
+        except FileNotFoundError:
+            return None
+
+    def listdir(self, *parts: str) -> list[str]:
+        """The names directly under a prefix ([] when none)."""
+        try:
+            return sorted(p.rstrip("/").rsplit("/", 1)[-1]
+                          for p in self.fs.ls(self.path(*parts), detail=False, refresh=True))
+        except FileNotFoundError:
+            return []
+
+    def files(self, *parts: str) -> dict[str, int]:
+        """{path relative to the prefix: size} of every object under it."""
+        base = self.path(*parts)
+        try:
+            found = self.fs.find(base, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return {}
+        return {p[len(base) + 1:]: int(info.get("size", 0)) for p, info in found.items() if p.startswith(base + "/")}
+
+    def remove(self, *parts: str) -> None:
+        files = list(self.files(*parts))
+        if files:
+            self.fs.rm([self.path(*parts, f) for f in files])
+
+    def put(self, local: list[Path], remote: list[str]) -> None:
+        if local:
+            self.fs.put([str(p) for p in local], [self.path(r) for r in remote])
+
+    def get(self, remote: list[str], local: list[Path]) -> None:
+        for p in local:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        if remote:
+            self.fs.get([self.path(r) for r in remote], [str(p) for p in local])
+
+
+# ----------------------------------------------------------------------------- the lease
+
+class Lease:
+    """One writer at a time on a store: URL/lease.json, written only by conditional PUTs.
+
+    Taken by a create-if-absent (If-None-Match: *); renewed every LEASE_RENEW_SECONDS by a PUT
+    that names the ETag this holder last wrote (If-Match), so that a lease another process
+    took over is never overwritten; taken over by the same If-Match once it expired (not
+    renewed for LEASE_SECONDS: its holder died) or when its holder is a process of this
+    host that no longer lives. A store that ignores the conditions is refused at acquire.
+    A holder that lost its lease (`lost`) commits nothing more."""
+
+    def __init__(self, store: Store, log: Log):
+        self.store, self.log = store, log
+        self.holder = uuid.uuid4().hex
+        self.etag: Optional[str] = None
+        self.lost: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def _body(self) -> bytes:
+        now = time.time()
+        return json.dumps({"holder": self.holder, "host": socket.gethostname(), "pid": os.getpid(),
+                           "renewed": now, "expires": now + LEASE_SECONDS}, sort_keys=True).encode()
+
+    def _check_conditions(self) -> None:
+        """A create-if-absent on an object that exists must fail; a store that lets it through
+        would let two writers hold the lease."""
+        probe = f".conditional-put-probe-{self.holder}"
+        try:
+            self.store.write(b"1", probe, mode="create")
+            try:
+                self.store.write(b"2", probe, mode="create")
+            except FileExistsError:
+                return
+            raise CheckpointError(f"{self.store.url}: this store ignores conditional writes (If-None-Match), so "
+                                  "it cannot hold the run's lease; use a store that honours them (AWS S3, MinIO, "
+                                  "recent Ceph and R2 do)")
+        finally:
+            try:
+                self.store.fs.rm(self.store.path(probe))
+            except Exception:   # noqa: BLE001 - a stray probe object harms nothing
+                pass
+
+    def acquire(self) -> "Lease":
+        self._check_conditions()
+        try:
+            answer = self.store.write(self._body(), LEASE, mode="create")
+        except FileExistsError:
+            answer = self._take_over()
+        self.etag = answer.get("ETag") if isinstance(answer, dict) else self.store.etag(LEASE)
+        _HELD.add(self.holder)
+        self._thread = threading.Thread(target=self._renew_loop, name="fractus-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _take_over(self):
+        etag = self.store.etag(LEASE)
+        try:
+            held = json.loads(self.store.read(LEASE))
+        except (FileNotFoundError, ValueError):
+            held = {}
+        now = time.time()
+        expired = float(held.get("expires", 0)) < now
+        # a holder of this host that ended, or a lease this process left (a run here that
+        # could not release it) and no longer holds
+        dead_here = held.get("host") == socket.gethostname() and (
+            not _alive(held.get("pid")) or (held.get("pid") == os.getpid() and held.get("holder") not in _HELD))
+        if not (expired or dead_here):
+            raise RunDirBusy(f"{self.store.url} is in use by pid {held.get('pid')} on {held.get('host')} (its lease, "
+                             f"renewed every {LEASE_RENEW_SECONDS:.0f} s while it runs, holds for "
+                             f"{float(held.get('expires', now)) - now:.0f} s more; one process writes a run at a "
+                             "time: wait for it to end or stop it)")
+        try:
+            answer = self.store.write(self._body(), LEASE, IfMatch=etag)
+        except (FileExistsError, OSError):
+            raise RunDirBusy(f"{self.store.url}: another process took the lease at the same moment") from None
+        why = "expired" if expired else "its holder's process has ended, or let it go"
+        self.log(f"note: took the lease of {self.store.url_of(LEASE)} ({why}: pid {held.get('pid')} "
+                 f"on {held.get('host')})")
+        return answer
+
+    def renew(self) -> None:
+        with self._lock:
+            if self.lost or self.etag is None:
+                return
+            try:
+                answer = self.store.write(self._body(), LEASE, IfMatch=self.etag)
+            except (FileExistsError, FileNotFoundError, OSError) as e:
+                current = self.store.etag(LEASE)
+                if current != self.etag:
+                    self.lost = f"another process took the lease ({rundir.reason(e)})"
+                return   # a store that does not answer: tried again at the next renewal
+            self.etag = answer.get("ETag") if isinstance(answer, dict) else self.store.etag(LEASE)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(LEASE_RENEW_SECONDS):
+            try:
+                self.renew()
+            except Exception:   # noqa: BLE001 - the next renewal tries again; `check` judges
+                pass
+
+    def check(self) -> None:
+        """Before a commit: raise RunDirBusy when the lease was lost."""
+        if self.lost:
+            raise RunDirBusy(f"{self.store.url}: {self.lost}; this process commits nothing more")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            try:
+                if self.etag is not None and not self.lost and self.store.etag(LEASE) == self.etag:
+                    self.store.fs.rm(self.store.path(LEASE))
+            except Exception:   # noqa: BLE001 - a store that does not answer: the lease expires
+                pass
+            self.etag = None
+            _HELD.discard(self.holder)
+
+
+_HELD: set[str] = set()   # the holders of the leases this process holds
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (TypeError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ----------------------------------------------------------------------------- the mirror
+
+def _step_files(step_dir: Path) -> dict[str, int]:
+    return {str(p.relative_to(step_dir)): p.stat().st_size for p in sorted(step_dir.rglob("*")) if p.is_file()}
+
+
+def _log_files(stage: Path) -> list[str]:
+    """The stage's logs, relative: metrics.jsonl and the event files."""
+    names = [METRICS] if (stage / METRICS).is_file() else []
+    tb = stage / TENSORBOARD
+    if tb.is_dir():
+        names += [str(p.relative_to(stage)) for p in sorted(tb.rglob("*")) if p.is_file()]
+    return names
+
+
+def _move_aside(src: Path, dst_dir: Path) -> Path:
+    dst = dst_dir / src.name
+    n = 1
+    while dst.exists():
+        n += 1
+        dst = dst_dir / f"{src.name}-{n}"
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    os.replace(src, dst)
+    return dst
+
+
+class Mirror:
+    """The store's side of a run trained in a local stage: `open` (lease, pull), `push(step)`
+    after each local commit (in the background), `settle` (wait for it; raise what failed),
+    `close` (logs, lease released)."""
+
+    def __init__(self, url: str, stage, log: Log = print):
+        self.store = Store(url)
+        self.url = self.store.url
+        self.stage = Path(stage)
+        self.log = log
+        self.lease = Lease(self.store, log)
+        self.committed: Optional[int] = None     # the newest step the store holds as committed
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._push: Optional[concurrent.futures.Future] = None
+        self._pushes = collections.deque(maxlen=RECENT_PUSHES)
+        self._guess = 0.0
+        self._sizes: dict[str, int] = {}          # log files as last uploaded
+        self._closed = False
+
+    # -- start
+
+    def open(self) -> "Mirror":
+        self.store.check_access()
+        try:
+            self.stage.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise rundir.io_error("cannot create the stage", self.stage, e, None) from None
+        self.lease.acquire()
+        try:
+            self.pull()
+        except BaseException:
+            self.lease.release()
+            raise
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fractus-push")
+        return self
+
+    def store_steps(self) -> dict[int, dict]:
+        """{step: its committed.json} of the steps the store holds as committed."""
+        steps = {}
+        for name in self.store.listdir(CHECKPOINTS):
+            if name.isdigit():
+                try:
+                    steps[int(name)] = json.loads(self.store.read(CHECKPOINTS, name, COMMITTED))
+                except (FileNotFoundError, ValueError):
+                    steps[int(name)] = None
+        return steps
+
+    def pull(self) -> None:
+        """Make the stage the store's committed run: leftovers of cut uploads deleted from the
+        store, stage steps the store lacks set aside, the store's steps and logs fetched."""
+        try:
+            self._pull()
+        except CheckpointError:
+            raise
+        except Exception as e:   # noqa: BLE001 - the store or the disk
+            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {rundir.reason(e)}") from None
+
+    def _pull(self) -> None:
+        steps = self.store_steps()
+        for step in sorted(s for s, record in steps.items() if record is None):
+            self.store.remove(CHECKPOINTS, str(step))
+            self.log(f"note: removed {self.store.url_of(CHECKPOINTS, str(step))}, left by an upload that did "
+                     "not finish")
+        steps = {s: r for s, r in steps.items() if r is not None}
+        local = self.stage / CHECKPOINTS
+        if local.is_dir():
+            for p in sorted(local.iterdir()):
+                if not p.name.isdigit():
+                    continue
+                record = steps.get(int(p.name))
+                if record is None or _step_files(p) != record.get("files"):
+                    moved = _move_aside(p, self.stage / UNPUSHED)
+                    self.log(f"note: moved {p} to {moved}: {self.url} does not hold it as committed")
+        for step in sorted(steps):
+            dst = local / str(step)
+            if dst.exists():
+                continue
+            files = steps[step]["files"]
+            tmp = local / f"{step}{PULL_TMP}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            t0, size = time.time(), sum(files.values())
+            self.log(f"pulling step {step} ({size / 1e6:.1f} MB) from {self.store.url_of(CHECKPOINTS, str(step))}")
+            names = sorted(files)
+            self.store.get([f"{CHECKPOINTS}/{step}/{n}" for n in names], [tmp / n for n in names])
+            os.replace(tmp, dst)
+            seconds = time.time() - t0
+            self.log(f"pulled step {step} in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.0f} MB/s)")
+        for name in (METRICS, MANIFEST):
+            path = self.stage / name
+            if path.exists():
+                _move_aside(path, self.stage / UNPUSHED)
+        if (self.stage / TENSORBOARD).exists():
+            _move_aside(self.stage / TENSORBOARD, self.stage / UNPUSHED)
+        logs = [n for n in self.store.files() if n in (METRICS, MANIFEST) or n.startswith(TENSORBOARD + "/")]
+        self.store.get(logs, [self.stage / n for n in logs])
+        self._sizes = {n: (self.stage / n).stat().st_size for n in logs}
+        self.committed = max(steps) if steps else None
+        self._remove_gone(set(steps))
+
+    def expect(self, whole_bytes: int) -> None:
+        """Uploads will be of a state of this many bytes: until one is timed, the margin's guess."""
+        self._pushes.clear()
+        self._guess = whole_bytes / UPLOAD_BYTES_PER_SECOND
+
+    # -- after each commit
+
+    def push(self, step: int) -> None:
+        """Upload a step the stage committed, in the background (one at a time)."""
+        self.settle()
+        self.lease.check()
+        self._push = self._pool.submit(self._upload, step, time.time())
+
+    def settle(self) -> None:
+        """Wait for the upload in flight; raise (RunDirIOError) what made it fail."""
+        if self._push is None:
+            return
+        push, self._push = self._push, None
+        push.result()
+
+    def pushing(self) -> bool:
+        return self._push is not None and not self._push.done()
+
+    def push_seconds(self) -> float:
+        """The slowest of the last uploads' seconds (the guess before one is timed); twice that
+        while one is in flight (a save waits for it first)."""
+        seconds = max(self._pushes) if self._pushes else self._guess
+        return seconds * (2 if self.pushing() else 1)
+
+    def _upload(self, step: int, started: float) -> None:
+        try:
+            self._upload_step(step)
+        except RunDirBusy:
+            raise
+        except Exception as e:   # noqa: BLE001 - the store, the network, the disk
+            raise rundir.RunDirIOError(
+                f"cannot upload step {step} to {self.store.url_of(CHECKPOINTS, str(step))}: {rundir.reason(e)}; "
+                f"{self._store_words()}") from None
+        self._pushes.append(time.time() - started)
+
+    def _store_words(self) -> str:
+        if self.committed is None:
+            return f"{self.url} holds no committed step yet"
+        return f"{self.url} holds step {self.committed} (the same command resumes from it)"
+
+    def _upload_step(self, step: int) -> None:
+        step_dir = self.stage / CHECKPOINTS / str(step)
+        files = _step_files(step_dir)
+        names = sorted(files)
+        self.store.put([step_dir / n for n in names], [f"{CHECKPOINTS}/{step}/{n}" for n in names])
+        self._upload_logs()
+        self.lease.check()
+        write_commit(self.store, step, files)
+        self.committed = step
+        if (self.stage / MANIFEST).is_file():
+            self.store.write((self.stage / MANIFEST).read_bytes(), MANIFEST)
+        self._remove_gone(set(self.store_steps()))
+
+    def _upload_logs(self) -> None:
+        """The logs whose size changed since their last upload, each whole."""
+        changed = [n for n in _log_files(self.stage) if (self.stage / n).stat().st_size != self._sizes.get(n)]
+        for n in changed:
+            data = (self.stage / n).read_bytes()
+            self.store.write(data, n)
+            self._sizes[n] = len(data)
+
+    def _remove_gone(self, store_steps: set[int]) -> None:
+        """Store steps the stage no longer holds: moved aside where the stage rejected them,
+        deleted where retention let them go (their commit first)."""
+        local = self.stage / CHECKPOINTS
+        held = {int(p.name) for p in local.iterdir() if p.name.isdigit()} if local.is_dir() else set()
+        for step in sorted(store_steps - held):
+            prefix = f"{CHECKPOINTS}/{step}"
+            self.store.fs.rm(self.store.path(prefix, COMMITTED))
+            if (self.stage / REJECTED / str(step)).exists():
+                files = self.store.files(prefix)
+                for n in files:
+                    self.store.fs.copy(self.store.path(prefix, n), self.store.path(REJECTED, str(step), n))
+                self.log(f"note: moved the rejected {self.store.url_of(prefix)} to {self.store.url_of(REJECTED, str(step))}")
+            self.store.remove(prefix)
+
+    # -- end
+
+    def close(self, quiet: bool = False) -> None:
+        """Wait for the upload in flight, upload the logs, release the lease."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.settle()
+            if not self.lease.lost:
+                self._upload_logs()
+        except Exception as e:   # noqa: BLE001
+            if not quiet:
+                raise rundir.RunDirIOError(f"cannot upload to {self.url}: {rundir.reason(e)}; "
+                                           f"{self._store_words()}") from None
+            self.log(f"warning: while stopping: {e}")
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self.lease.release()
+
+
+def write_commit(store: Store, step: int, files: dict[str, int]) -> None:
+    """The step's commit in the store: its files and sizes, written after them and the logs."""
+    store.write(json.dumps({"step": step, "files": files}, sort_keys=True).encode(), CHECKPOINTS, str(step), COMMITTED)
+
+
+def open_mirror(url: str, stage=None, log: Log = print) -> Mirror:
+    """The mirror of a URL's run, lease taken and stage pulled (CheckpointError when it cannot)."""
+    if jax.process_count() > 1:
+        raise CheckpointError(f"{url}: a run on object storage is trained by one process in this version "
+                              f"({jax.process_count()} here); several hosts need a run directory they all mount")
+    return Mirror(url, stage if stage is not None else default_stage(url), log).open()

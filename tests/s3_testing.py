@@ -1,0 +1,146 @@
+"""A real S3 API on this machine for the tests: moto's server in a subprocess, and a TCP relay
+in front of it that a test can cut (the store "stopped") and restore without losing the
+server's objects."""
+from __future__ import annotations
+
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import boto3
+
+KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+# A store that stops answering fails an upload within seconds, not after minutes of retries.
+FAST_FAIL = {"AWS_MAX_ATTEMPTS": "2", "AWS_RETRY_MODE": "standard"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """moto's S3 server on a free port of 127.0.0.1, for as long as the object lives."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = self.client()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.list_buckets()
+                break
+            except Exception:   # noqa: BLE001 - not listening yet
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto's server did not start (exit {self.proc.poll()})") from None
+                time.sleep(0.1)
+
+    def client(self, endpoint=None):
+        return boto3.client("s3", endpoint_url=endpoint or self.endpoint, aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"], region_name=KEYS["AWS_DEFAULT_REGION"])
+
+    def env(self, endpoint=None) -> dict:
+        """The variables a client reads to reach this server (the standard ones)."""
+        return {**KEYS, **FAST_FAIL, "AWS_ENDPOINT_URL": endpoint or self.endpoint}
+
+    def bucket(self, name: str) -> str:
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+    def read(self, bucket: str, key: str) -> bytes:
+        return self.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Relay:
+    """127.0.0.1:<port> relayed to the server; `cut()` refuses new connections and drops the
+    open ones (the store stopped), `restore()` listens again on the same port."""
+
+    def __init__(self, target_port: int):
+        self.target = target_port
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener = None
+        self.restore()
+
+    def restore(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            with self._lock:
+                self._conns += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
+
+    def _pipe(self, a, b) -> None:
+        try:
+            while True:
+                ready, _, _ = select.select([a, b], [], [], 1.0)
+                for s in ready:
+                    data = s.recv(65536)
+                    if not data:
+                        return
+                    (b if s is a else a).sendall(data)
+        except OSError:
+            return
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        self._listener.close()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+
+def set_env(monkeypatch, env: dict) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def child_env(env: dict) -> dict:
+    out = {k: v for k, v in os.environ.items() if k not in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3")}
+    out.update(env)
+    return out

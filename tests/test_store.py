@@ -1,0 +1,273 @@
+"""A run directory on object storage (`fractus_jax/train/store.py`), against a real S3 API:
+moto's server, started and stopped by these tests (s3_testing.py).
+
+The trainer killed by SIGKILL inside an upload, then resumed from a fresh stage (as on a new
+pod), ends bit for bit equal to a run never interrupted; a store cut in the middle of an
+upload loses nothing committed, the run says what failed, and the same command resumes; the
+lease admits one writer; a missing bucket, a URL that cannot be served and a store without
+conditional writes are refused before any step."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import loop, rundir, store
+from fractus_jax.train import prepare as prepare_lib
+from fractus_jax.train.__main__ import main as train_cli
+from fractus_jax.train.__main__ import parse_args
+from s3_testing import Relay, S3Server, child_env, set_env
+from test_faults import ROOT, assert_same_state, metrics_steps, restore, strict, tiny, train
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    yield server
+    server.close()
+
+
+@pytest.fixture()
+def bucket(s3, monkeypatch, request):
+    set_env(monkeypatch, s3.env())
+    return s3.bucket(f"b{abs(hash(request.node.nodeid)) % 10**12}")
+
+
+@pytest.fixture(scope="module")
+def straight(corpus_file, tmp_path_factory):
+    """(cfg to step 6, a local run trained to step 6 uninterrupted)."""
+    cfg6 = tiny(corpus_file, "max_steps=6")
+    d = tmp_path_factory.mktemp("store") / "straight"
+    train(cfg6, d)
+    return cfg6, d
+
+
+def train_url(cfg, url, stage):
+    """(last metrics, log lines) of the trainer on a URL's run staged in `stage`, in this process."""
+    logs = []
+    mirror = store.open_mirror(url, stage, log=logs.append)
+    try:
+        last = loop.run(prepare_lib.prepare(cfg, stage, progress=False), progress=False, log=logs.append,
+                        mirror=mirror)
+    finally:
+        mirror.close(quiet=True)
+    return last, logs
+
+
+def store_steps(s3, bucket, run):
+    """The steps the store holds as committed."""
+    return sorted(int(k.split("/")[-2]) for k in s3.keys(bucket, f"{run}/checkpoints/")
+                  if k.endswith("/" + store.COMMITTED))
+
+
+# ----------------------------------------------------------------------------- URLs
+
+@pytest.mark.parametrize("url, words", [
+    ("gs://b/run", "gs:// is not served yet"),
+    ("ftp://b/run", "not ftp://"),
+    ("s3://bucket-only", "give a bucket and a path inside it"),
+])
+def test_a_url_the_trainer_cannot_serve_is_refused(url, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", "tiny", "--workdir", url])
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_missing_library_is_named_with_its_extra(monkeypatch):
+    real = store.importlib.util.find_spec
+    monkeypatch.setattr(store.importlib.util, "find_spec", lambda name: None if name == "s3fs" else real(name))
+    with pytest.raises(ValueError, match=r"needs s3fs, which is not installed: pip install 'fractus-jax\[s3\]'"):
+        store.check_url("s3://b/run")
+    assert store.check_url("runs/a") == "runs/a"   # a local path is taken as it is
+
+
+def test_a_missing_bucket_is_refused_before_any_step(s3, monkeypatch, tmp_path, capsys):
+    set_env(monkeypatch, s3.env())
+    code = train_cli(["--config", "tiny", "--workdir", "s3://no-such-bucket/run", "--stage", str(tmp_path / "stage"),
+                      "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [f"error: s3://no-such-bucket/run: the bucket no-such-bucket does not exist (or this endpoint does "
+                   f"not serve it) at {s3.endpoint}; create it first"]
+    assert not (tmp_path / "stage").exists()
+
+
+def test_no_credentials_are_refused_before_any_step(s3, monkeypatch, tmp_path, capsys):
+    set_env(monkeypatch, s3.env())
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    code = train_cli(["--config", "tiny", "--workdir", "s3://runs/run", "--stage", str(tmp_path / "stage"),
+                      "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: s3://runs/run: ") and "credentials" in err[0], err
+
+
+# ----------------------------------------------------------------------------- the lease
+
+def test_the_lease_admits_one_writer(bucket, monkeypatch):
+    run = store.Store(f"s3://{bucket}/run")
+    notes = []
+    first = store.Lease(run, notes.append).acquire()
+    with pytest.raises(rundir.RunDirBusy, match=r"is in use by pid \d+ on .*wait for it to end or stop it"):
+        store.Lease(run, notes.append).acquire()
+    # the holder renews; a lease another process overwrote is lost, and the holder commits no more
+    first.renew()
+    first.check()
+    run.write(b'{"holder": "other", "host": "elsewhere", "pid": 1, "expires": 1e12}', store.LEASE)
+    first.renew()
+    with pytest.raises(rundir.RunDirBusy, match="another process took the lease"):
+        first.check()
+    first.release()
+    assert run.exists(store.LEASE)   # not ours any more: left alone
+    # a live holder on another host is waited for until its lease expires, then taken over
+    with pytest.raises(rundir.RunDirBusy):
+        store.Lease(run, notes.append).acquire()
+    run.write(json.dumps({"holder": "old", "host": "elsewhere", "pid": 1, "expires": time.time() - 1}).encode(),
+              store.LEASE)
+    second = store.Lease(run, notes.append).acquire()
+    assert notes[-1].startswith(f"note: took the lease of s3://{bucket}/run/lease.json (expired: pid 1 on elsewhere)")
+    second.release()
+    assert not run.exists(store.LEASE)
+    # a holder of this host whose process ended is taken over at once
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    run.write(json.dumps({"holder": "dead", "host": store.socket.gethostname(), "pid": int(gone.stdout),
+                          "expires": time.time() + 1000}).encode(), store.LEASE)
+    third = store.Lease(run, notes.append).acquire()
+    assert "its holder's process has ended" in notes[-1]
+    third.release()
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused(bucket, monkeypatch):
+    run = store.Store(f"s3://{bucket}/run")
+    real = run.write
+    monkeypatch.setattr(run, "write", lambda data, *parts, **conditions: real(data, *parts))
+    with pytest.raises(rundir.CheckpointError, match="ignores conditional writes"):
+        store.Lease(run, print).acquire()
+    assert not run.exists(store.LEASE)
+
+
+# ----------------------------------------------------------------------------- the margin
+
+def test_the_deadline_margin_counts_the_upload(bucket, tmp_path, straight):
+    """Before an upload is timed the margin reserves the state's bytes at the stated rate; then
+    the slowest of the last uploads, twice while one is in flight."""
+    cfg6, d = straight
+    state, _ = restore(d, cfg6)
+    mirror = store.open_mirror(f"s3://{bucket}/run", tmp_path / "stage", log=print)
+    try:
+        local = ckpt_lib.RunCheckpointer(tmp_path / "plain")
+        ck = ckpt_lib.RunCheckpointer(tmp_path / "stage", mirror=mirror)
+        local.expect(state)
+        ck.expect(state)
+        whole = ckpt_lib.save_bytes(state)[1]
+        assert ck.save_seconds() == pytest.approx(local.save_seconds() + whole / store.UPLOAD_BYTES_PER_SECOND)
+        mirror._pushes.extend([0.5, 7.0, 1.0])
+        assert ck.save_seconds() == pytest.approx(local.save_seconds() + 7.0)
+        local.close()
+        ck.close()
+    finally:
+        mirror.close()
+
+
+# ----------------------------------------------------------------------------- kills and cuts
+
+KILLED = r'''
+import json, os, signal, sys
+args = json.loads(sys.argv[1])
+from fractus_jax.train import config as cfg_lib, loop, prepare as prepare_lib, store
+where = args["where"]
+write_commit = store.write_commit
+def hook(s, step, files):
+    if step == 4 and where == "before the commit":
+        os.kill(os.getpid(), signal.SIGKILL)
+    write_commit(s, step, files)
+    if step == 4 and where == "after the commit":
+        os.kill(os.getpid(), signal.SIGKILL)
+store.write_commit = hook
+cfg = cfg_lib.TrainConfig.from_dict(args["config"])
+mirror = store.open_mirror(args["url"], args["stage"])
+loop.run(prepare_lib.prepare(cfg, args["stage"], progress=False), progress=False, log=print, mirror=mirror)
+'''
+
+
+@pytest.mark.parametrize("where, resumed", [("before the commit", 2), ("after the commit", 4)])
+def test_a_kill_inside_an_upload_resumes_from_a_fresh_stage_bit_exact(where, resumed, s3, bucket, straight, tmp_path):
+    """SIGKILL inside step 4's upload (its files written, its commit not; or its commit written,
+    the manifest not); then a new stage (a new pod) resumes from the store to step 6, equal bit
+    for bit to the run never interrupted; the store's log and steps are the run's."""
+    cfg6, straight_dir = straight
+    url = f"s3://{bucket}/run"
+    args = {"config": cfg6.to_dict(), "url": url, "stage": str(tmp_path / "pod-a"), "where": where}
+    out = subprocess.run([sys.executable, "-c", KILLED, json.dumps(args)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=child_env(s3.env()))
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    assert store_steps(s3, bucket, "run") == [2, 4][:1 + (where == "after the commit")]
+    assert any(k.startswith("run/checkpoints/4/") for k in s3.keys(bucket, "run/"))
+    stage = tmp_path / "pod-b"
+    last, logs = train_url(cfg6, url, stage)
+    assert any(line.startswith("note: took the lease") and "its holder's process has ended" in line
+               for line in logs), logs
+    if where == "before the commit":
+        assert f"note: removed {url}/checkpoints/4, left by an upload that did not finish" in logs, logs
+    assert f"resumed {stage} at step {resumed}, lane offset {resumed * cfg6.seq_len}" in logs, logs
+    assert_same_state(straight_dir, stage, cfg6)
+    assert metrics_steps(stage) == [1, 2, 3, 4, 5, 6]
+    assert [strict(x)["step"] for x in s3.read(bucket, "run/metrics.jsonl").decode().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert strict(s3.read(bucket, "run/manifest.json").decode())["step"] == 6
+    assert store_steps(s3, bucket, "run") == sorted(int(p.name) for p in (stage / "checkpoints").iterdir())
+    assert "run/lease.json" not in s3.keys(bucket, "run/")
+
+
+def test_a_store_cut_inside_an_upload_loses_nothing_committed(s3, bucket, straight, tmp_path, monkeypatch):
+    """The store stops answering as step 4's upload starts: the run stops saying what failed and
+    which step the store holds; with the store back, the same URL resumes to the same state."""
+    cfg6, straight_dir = straight
+    relay = Relay(s3.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", relay.endpoint)
+    url = f"s3://{bucket}/run"
+    real = store.Mirror._upload_step
+
+    def cut_at_4(self, step):
+        if step == 4:
+            relay.cut()
+        return real(self, step)
+
+    monkeypatch.setattr(store.Mirror, "_upload_step", cut_at_4)
+    with pytest.raises(rundir.RunDirIOError) as e:
+        train_url(cfg6, url, tmp_path / "pod-a")
+    assert str(e.value).startswith(f"cannot upload step 4 to {url}/checkpoints/4: ")
+    assert str(e.value).endswith(f"; {url} holds step 2 (the same command resumes from it)")
+    assert store_steps(s3, bucket, "run") == [2]
+    monkeypatch.setattr(store.Mirror, "_upload_step", real)
+    relay.restore()
+    stage = tmp_path / "pod-b"
+    last, logs = train_url(cfg6, url, stage)
+    assert f"resumed {stage} at step 2, lane offset {2 * cfg6.seq_len}" in logs, logs
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == sorted(int(p.name) for p in (stage / "checkpoints").iterdir())
+    assert store_steps(s3, bucket, "run")[-1] == 6
+
+
+def test_the_trainer_command_trains_on_a_url_and_resumes_it(s3, bucket, corpus_file, tmp_path, capsys):
+    """`python -m fractus_jax.train --workdir s3://...`: the stage is the store's, and a second
+    pod's stage, pulled, resumes where the first stopped; nothing is written outside the stage."""
+    url = f"s3://{bucket}/cli"
+    common = ["--config", "tiny", "--workdir", url, "--set", f"corpus={corpus_file}", "--set", "save_every=2",
+              "--no-progress"]
+    assert train_cli([*common, "--stage", str(tmp_path / "a"), "--set", "max_steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert f"run directory: {url} (trained in {tmp_path / 'a'})" in err
+    assert train_cli([*common, "--stage", str(tmp_path / "b"), "--set", "max_steps=6"]) == 0
+    err = capsys.readouterr().err
+    assert "pulling step 4 " in err and f"resumed {tmp_path / 'b'} at step 4" in err, err
+    assert strict(s3.read(bucket, "cli/manifest.json").decode())["step"] == 6
+    with pytest.raises(SystemExit):
+        parse_args(["--config", "tiny", "--workdir", str(tmp_path / "local"), "--stage", str(tmp_path / "x")])
