@@ -37,7 +37,8 @@ from fractus_jax.atom.ids import VOCAB as ATOM_VOCAB
 from fractus_jax.config import EngineConfig, Execution
 from fractus_jax.decode import MODES, check_decode_args, decode_ids, speech_counts
 from fractus_jax.train import checkpoint as ckpt_lib
-from fractus_jax.train.rundir import local_path
+from fractus_jax.train import store
+from fractus_jax.train.rundir import CheckpointError
 
 
 class GenerateError(ValueError):
@@ -195,7 +196,7 @@ def _max_new(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fractus_jax.generate",
                                  description="Generate text with a trained Fractus engine (Atom ids).")
-    ap.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=local_path,
+    ap.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=store.workdir_arg,
                     help="a run directory written by the trainer (its latest checkpoint) or DIR/checkpoints/<step>")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     ap.add_argument("--prompt", action="append", required=True, metavar="TEXT",
@@ -240,6 +241,10 @@ def _checkpoint_step(ckpt: str, step: Optional[int]) -> Optional[int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        args.ckpt = store.readable(args.ckpt, args.step, log=lambda m: print(m, file=sys.stderr))
+    except CheckpointError as e:
+        _fail(str(e))
     if not os.path.isdir(args.ckpt):
         _fail(f"checkpoint directory not found: {args.ckpt}")
     if any(p == "" for p in args.prompt):

@@ -122,6 +122,10 @@ TABLES = {
                                                            "model.learn_carry_decay=true"]),
         ("learned decay from ladder h=10, 32-id chunks, streamed, K=4", [
             "batch_size=32", "seq_len=32", *bptt(4), *NO_RESET, ladder(10), "model.learn_carry_decay=true"]),
+        ("learned decay from ladder h=10, 64-id chunks, streamed, K=4", [
+            "batch_size=16", "seq_len=64", *bptt(4), *NO_RESET, ladder(10), "model.learn_carry_decay=true"]),
+        ("learned decay from ladder h=10, 32-id chunks, streamed, K=8", [
+            "batch_size=32", "seq_len=32", *bptt(8), *NO_RESET, ladder(10), "model.learn_carry_decay=true"]),
     ]),
 }
 TIMED = {"study", "carry"}   # tables whose rows get equal wall time (--minutes), not their own steps

@@ -3,6 +3,7 @@ in front of it that a test can cut (the store "stopped") and restore without los
 server's objects."""
 from __future__ import annotations
 
+import json
 import os
 import select
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import boto3
 
@@ -27,21 +29,35 @@ def free_port() -> int:
 class S3Server:
     """moto's S3 server on a free port of 127.0.0.1, for as long as the object lives."""
 
-    def __init__(self):
+    def __init__(self, checks_keys_after: Optional[int] = None):
+        """checks_keys_after=N: the server checks each request's key and signature against
+        its IAM users after its first N requests (moto's INITIAL_NO_AUTH_ACTION_COUNT)."""
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(self.port)],
+        env = dict(os.environ)
+        if checks_keys_after is not None:
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(checks_keys_after)
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(self.port)], env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = self.client()
         deadline = time.monotonic() + 60
-        while True:
+        while True:   # a connection, not a request: requests are counted when keys are checked
             try:
-                client.list_buckets()
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 break
-            except Exception:   # noqa: BLE001 - not listening yet
+            except OSError:   # not listening yet
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"moto's server did not start (exit {self.proc.poll()})") from None
                 time.sleep(0.1)
+
+    def user_key(self) -> tuple[str, str]:
+        """(access key id, secret) of a new IAM user allowed everything (3 requests)."""
+        iam = boto3.client("iam", endpoint_url=self.endpoint, aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
+                           aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"], region_name=KEYS["AWS_DEFAULT_REGION"])
+        iam.create_user(UserName="run")
+        key = iam.create_access_key(UserName="run")["AccessKey"]
+        iam.put_user_policy(UserName="run", PolicyName="all", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+        return key["AccessKeyId"], key["SecretAccessKey"]
 
     def client(self, endpoint=None):
         return boto3.client("s3", endpoint_url=endpoint or self.endpoint, aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],

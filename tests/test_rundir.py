@@ -243,14 +243,14 @@ def test_the_event_records_are_tensorboards_protobufs_byte_for_byte():
     ("train", ["--config", "tiny", "--workdir", "gs://runs/tiny"]),
     ("train", ["--config", "tiny", "--workdir", "ftp://runs/tiny"]),
     ("eval", ["--ckpt", "gs://bucket/run"]),
-    ("generate", ["--ckpt", "s3://runs/tiny", "--prompt", "a"]),
+    ("generate", ["--ckpt", "gs://runs/tiny", "--prompt", "a"]),
     ("grow", ["--ckpt", "runs/tiny", "--out", "s3://runs/grown", "--add-layers", "1"]),
-    ("convert", ["export", "--ckpt", "s3://runs/tiny", "--out", "model.pt"]),
+    ("convert", ["export", "--ckpt", "ftp://runs/tiny", "--out", "model.pt"]),
     ("convert", ["import", "--pt", "model.pt", "--config", "tiny", "--out", "s3://runs/imported"]),
 ])
 def test_an_object_storage_url_is_refused_not_taken_as_a_local_path(command, argv, tmp_path, monkeypatch, capsys):
-    """A run directory given as a URL a command does not serve (the trainer serves s3://,
-    tests/test_store.py) is refused at start (exit 2, the URL named), and no local directory
+    """A run directory given as a URL a command does not serve (s3:// is served where a run is
+    read or trained, tests/test_store.py) is refused at start (exit 2, the URL named), and no local directory
     named after it ("s3:/runs/tiny") appears."""
     monkeypatch.chdir(tmp_path)
     main = importlib.import_module(f"fractus_jax.{command}.__main__" if command != "generate"

@@ -13,7 +13,12 @@ import sys
 import time
 
 import pytest
+import torch
 
+from fractus_jax.convert.__main__ import main as convert_cli
+from fractus_jax.eval.__main__ import main as eval_cli
+from fractus_jax.generate import main as generate_cli
+from fractus_jax.grow.__main__ import main as grow_cli
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import loop, rundir, store
 from fractus_jax.train import prepare as prepare_lib
@@ -106,8 +111,33 @@ def test_no_credentials_are_refused_before_any_step(s3, monkeypatch, tmp_path, c
     code = train_cli(["--config", "tiny", "--workdir", "s3://runs/run", "--stage", str(tmp_path / "stage"),
                       "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == ["error: s3://runs/run: no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                   "(or AWS_PROFILE)"]
+
+
+@pytest.mark.parametrize("secret, words", [
+    ("wrong", "The request signature we calculated does not match"),
+    (None, "The AWS Access Key Id you provided does not exist"),
+])
+def test_wrong_credentials_are_refused_before_any_step(secret, words, monkeypatch, tmp_path, capsys):
+    """Against a server that checks keys: a wrong secret, and a key it does not know."""
+    checking = S3Server(checks_keys_after=4)   # the user, its key, its policy, the bucket
+    try:
+        key_id, _ = checking.user_key()
+        checking.bucket("runs")
+        set_env(monkeypatch, checking.env())
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id if secret else "AKIAUNKNOWN000000000")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret or "x")
+        code = train_cli(["--config", "tiny", "--workdir", "s3://runs/run", "--stage", str(tmp_path / "stage"),
+                          "--no-progress"])
+    finally:
+        checking.close()
+    err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith("error: s3://runs/run: ") and "credentials" in err[0], err
+    assert err[0].startswith("error: s3://runs/run: access refused (") and words in err[0], err
+    assert err[0].endswith("; check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)")
+    assert not (tmp_path / "stage").exists()
 
 
 # ----------------------------------------------------------------------------- the lease
@@ -256,9 +286,11 @@ def test_a_store_cut_inside_an_upload_loses_nothing_committed(s3, bucket, straig
     assert store_steps(s3, bucket, "run")[-1] == 6
 
 
-def test_the_trainer_command_trains_on_a_url_and_resumes_it(s3, bucket, corpus_file, tmp_path, capsys):
+def test_the_commands_train_on_a_url_resume_it_and_read_it(s3, bucket, corpus_file, tmp_path, capsys, monkeypatch):
     """`python -m fractus_jax.train --workdir s3://...`: the stage is the store's, and a second
-    pod's stage, pulled, resumes where the first stopped; nothing is written outside the stage."""
+    pod's stage, pulled, resumes where the first stopped. eval, generate and convert export
+    read the URL (a run, a step, --step) as they read the stage, and grow grows it; a step
+    the store does not commit is refused."""
     url = f"s3://{bucket}/cli"
     common = ["--config", "tiny", "--workdir", url, "--set", f"corpus={corpus_file}", "--set", "save_every=2",
               "--no-progress"]
@@ -271,3 +303,37 @@ def test_the_trainer_command_trains_on_a_url_and_resumes_it(s3, bucket, corpus_f
     assert strict(s3.read(bucket, "cli/manifest.json").decode())["step"] == 6
     with pytest.raises(SystemExit):
         parse_args(["--config", "tiny", "--workdir", str(tmp_path / "local"), "--stage", str(tmp_path / "x")])
+
+    # The reading commands read the URL (fetched into the read cache) as they read the stage.
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    stage = tmp_path / "b"
+    for argv in (["--ids", "512", "--json"], ["--step", "4", "--ids", "512", "--json"]):
+        argv = [*argv, "--corpus", str(corpus_file)]
+        assert eval_cli(["--ckpt", url, *argv, "--no-progress"]) == 0
+        from_url = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert eval_cli(["--ckpt", str(stage), *argv, "--no-progress"]) == 0
+        from_stage = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert from_url["step"] == from_stage["step"] == (4 if "--step" in argv else 6)
+        assert from_url["nats"] == from_stage["nats"] and from_url["n_ids"] == from_stage["n_ids"] > 0
+    gen = ["--prompt", "def main(", "--max-new", "8", "--json"]
+    assert generate_cli(["--ckpt", f"{url}/checkpoints/4", *gen]) == 0
+    from_url = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert generate_cli(["--ckpt", str(stage / "checkpoints" / "4"), *gen]) == 0
+    from_stage = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for timing in ("ms_per_id", "seconds", "ids_per_s"):
+        from_url.pop(timing, None), from_stage.pop(timing, None)
+    assert from_url == from_stage
+    assert generate_cli(["--ckpt", str(stage), *gen]) == 0   # step 6: another step's weights
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["confidence"] != from_url["confidence"]
+    assert convert_cli(["export", "--ckpt", url, "--out", str(tmp_path / "from-url.pt")]) == 0
+    assert convert_cli(["export", "--ckpt", str(stage), "--out", str(tmp_path / "from-stage.pt")]) == 0
+    a, b = (torch.load(tmp_path / f"from-{w}.pt", weights_only=True) for w in ("url", "stage"))
+    assert a.keys() == b.keys() and a["step"] == b["step"] == 6
+    assert all(torch.equal(a["model_state"][k], b["model_state"][k]) for k in b["model_state"])
+    assert grow_cli(["--ckpt", url, "--out", str(tmp_path / "grown"), "--add-layers", "1",
+                     "--corpus", str(corpus_file)]) == 0
+    assert strict((tmp_path / "grown" / "manifest.json").read_text())["step"] == 6
+    capsys.readouterr()
+    assert eval_cli(["--ckpt", f"{url}/checkpoints/5", "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {url} has no committed checkpoint at step 5 "
+                                                "(steps: [2, 4, 6])")

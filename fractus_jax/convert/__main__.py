@@ -10,6 +10,7 @@ import sys
 
 from fractus_jax.convert.state_dicts import ConversionError
 from fractus_jax.train.config import ConfigError
+from fractus_jax.train import store
 from fractus_jax.train.rundir import CheckpointError, local_path
 
 
@@ -18,7 +19,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="a run directory's checkpoint → PyTorch files")
-    e.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=local_path,
+    e.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=store.workdir_arg,
                    help="a run directory (its latest checkpoint) or DIR/checkpoints/<step>")
     e.add_argument("--out", required=True, metavar="FILE", type=local_path,
                    help="FILE.pt (torch.save), FILE.bin, or FILE.safetensors")
@@ -59,9 +60,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     warn = lambda msg: print(f"warning: {msg}", file=sys.stderr)  # noqa: E731
     try:
-        from fractus_jax.convert import run# needs torch: a missing one is answered below
+        from fractus_jax.convert import run   # needs torch: a missing one is answered below
         if args.command == "export":
-            for path in run.export_run(args.ckpt, args.out, opt=args.opt, hub=args.hub, log=warn):
+            ckpt = store.readable(args.ckpt, log=lambda m: print(m, file=sys.stderr))
+            for path in run.export_run(ckpt, args.out, opt=args.opt, hub=args.hub, log=warn):
                 print(path)
         else:
             meta = run.import_checkpoint(args.pt, args.out, args.config, args.overrides, opt_file=args.opt_file,

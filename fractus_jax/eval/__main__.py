@@ -26,8 +26,9 @@ from fractus_jax.atom.corpus import CorpusError
 from fractus_jax.lanes import LaneError
 from fractus_jax.scoring import Scorer
 from fractus_jax.train import checkpoint as ckpt_lib
+from fractus_jax.train import store
 from fractus_jax.train.heldout import carry_schedule
-from fractus_jax.train.rundir import CheckpointError, local_path
+from fractus_jax.train.rundir import CheckpointError
 
 BUILD_HINT = "make one from text with: python -m fractus_jax.atom build --src TEXT_FILE --out HELD_OUT.u16"
 
@@ -39,7 +40,7 @@ class _UserError(Exception):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fractus_jax.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=local_path,
+    p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=store.workdir_arg,
                    help="a run directory (its newest good checkpoint) or DIR/checkpoints/<step>")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
     p.add_argument("--corpus", default=None, metavar="FILE",
@@ -87,6 +88,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {msg}", file=sys.stderr)
         return 2
 
+    try:
+        args.ckpt = store.readable(args.ckpt, args.step, log=lambda m: print(m, file=sys.stderr))
+    except CheckpointError as e:
+        return fail(str(e))
     if not os.path.exists(args.ckpt):
         return fail(f"checkpoint directory not found: {args.ckpt}")
     for name in ("ids", "lanes", "chunk"):

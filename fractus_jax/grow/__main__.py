@@ -15,13 +15,14 @@ import sys
 from fractus_jax.atom.corpus import CorpusError
 from fractus_jax.grow import run as grow_run
 from fractus_jax.growth import GrowthError, GrowthSpec
+from fractus_jax.train import store
 from fractus_jax.train.rundir import CheckpointError, local_path, read_manifest
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fractus_jax.grow", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=local_path,
+    p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=store.workdir_arg,
                    help="a run directory (its latest checkpoint) or DIR/checkpoints/<step>")
     p.add_argument("--out", required=True, metavar="DIR", type=local_path, help="the new run directory (absent or empty)")
     p.add_argument("--add-layers", type=int, default=0, metavar="N", help="blocks appended after the last one")
@@ -44,7 +45,8 @@ def main(argv=None) -> int:
     warn = lambda msg: print(f"warning: {msg}", file=sys.stderr)  # noqa: E731
     try:
         spec = GrowthSpec(args.add_layers, args.add_experts, args.siren_rank)
-        record = grow_run.grow_run(args.ckpt, args.out, spec, args.overrides, hits=args.hits,
+        ckpt = store.readable(args.ckpt, log=lambda m: print(m, file=sys.stderr))
+        record = grow_run.grow_run(ckpt, args.out, spec, args.overrides, hits=args.hits,
                               probe_rows=args.probe_rows, corpus=args.corpus, seed=args.seed, log=warn)
     except (GrowthError, CheckpointError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)

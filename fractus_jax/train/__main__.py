@@ -208,11 +208,12 @@ def outputs_summary(args, argv, cfg, manifest) -> str:
     if manifest is not None:
         # a carry reset at every step trained the window function (docs/generation.md)
         window = f" --mode window --window {cfg.trained_window()}" if cfg.trained_window() else ""
-        lines.append(f"  generate: python -m fractus_jax.generate --ckpt {q(str(workdir))} --prompt 'def main('{window}")
+        run = q(str(args.workdir))   # the URL of a run on object storage: they read it too
+        lines.append(f"  generate: python -m fractus_jax.generate --ckpt {run} --prompt 'def main('{window}")
         held = cfg.val_fraction or cfg.val_corpus
-        lines.append(f"  evaluate: python -m fractus_jax.eval --ckpt {q(str(workdir))}"
+        lines.append(f"  evaluate: python -m fractus_jax.eval --ckpt {run}"
                      + ("" if held else " --corpus HELD_OUT.u16"))
-        lines.append(f"  export: python -m fractus_jax.convert export --ckpt {q(str(workdir))} "
+        lines.append(f"  export: python -m fractus_jax.convert export --ckpt {run} "
                      f"--out {q(str(workdir / 'model.pt'))}" + _needs("torch", "torch"))
     lines.append(f"  plot: python {q(_script('plot_metrics.py'))} {q(str(workdir))}" + _needs("matplotlib", "plot"))
     if cfg.tensorboard:

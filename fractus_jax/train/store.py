@@ -146,6 +146,9 @@ class Store:
             raise CheckpointError(f"{self.url}: access refused ({rundir.reason(e)}); check the credentials "
                                   "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)") from None
         except Exception as e:   # noqa: BLE001 - no credentials, no network, a bad endpoint
+            if any(c.__name__ == "NoCredentialsError" for c in type(e).__mro__):   # botocore's
+                raise CheckpointError(f"{self.url}: no credentials found; set AWS_ACCESS_KEY_ID and "
+                                      "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
             raise CheckpointError(f"{self.url}: cannot reach the store{self._endpoint_words()} "
                                   f"({rundir.reason(e)})") from None
 
@@ -399,17 +402,6 @@ class Mirror:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fractus-push")
         return self
 
-    def store_steps(self) -> dict[int, dict]:
-        """{step: its committed.json} of the steps the store holds as committed."""
-        steps = {}
-        for name in self.store.listdir(CHECKPOINTS):
-            if name.isdigit():
-                try:
-                    steps[int(name)] = json.loads(self.store.read(CHECKPOINTS, name, COMMITTED))
-                except (FileNotFoundError, ValueError):
-                    steps[int(name)] = None
-        return steps
-
     def pull(self) -> None:
         """Make the stage the store's committed run: leftovers of cut uploads deleted from the
         store, stage steps the store lacks set aside, the store's steps and logs fetched."""
@@ -421,7 +413,7 @@ class Mirror:
             raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {rundir.reason(e)}") from None
 
     def _pull(self) -> None:
-        steps = self.store_steps()
+        steps = store_steps(self.store)
         for step in sorted(s for s, record in steps.items() if record is None):
             self.store.remove(CHECKPOINTS, str(step))
             self.log(f"note: removed {self.store.url_of(CHECKPOINTS, str(step))}, left by an upload that did "
@@ -437,19 +429,8 @@ class Mirror:
                     moved = _move_aside(p, self.stage / UNPUSHED)
                     self.log(f"note: moved {p} to {moved}: {self.url} does not hold it as committed")
         for step in sorted(steps):
-            dst = local / str(step)
-            if dst.exists():
-                continue
-            files = steps[step]["files"]
-            tmp = local / f"{step}{PULL_TMP}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            t0, size = time.time(), sum(files.values())
-            self.log(f"pulling step {step} ({size / 1e6:.1f} MB) from {self.store.url_of(CHECKPOINTS, str(step))}")
-            names = sorted(files)
-            self.store.get([f"{CHECKPOINTS}/{step}/{n}" for n in names], [tmp / n for n in names])
-            os.replace(tmp, dst)
-            seconds = time.time() - t0
-            self.log(f"pulled step {step} in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.0f} MB/s)")
+            if not (local / str(step)).exists():
+                fetch_step(self.store, step, steps[step]["files"], local, self.log)
         for name in (METRICS, MANIFEST):
             path = self.stage / name
             if path.exists():
@@ -518,7 +499,7 @@ class Mirror:
         self.committed = step
         if (self.stage / MANIFEST).is_file():
             self.store.write((self.stage / MANIFEST).read_bytes(), MANIFEST)
-        self._remove_gone(set(self.store_steps()))
+        self._remove_gone(set(store_steps(self.store)))
 
     def _upload_logs(self) -> None:
         """The logs whose size changed since their last upload, each whole."""
@@ -528,12 +509,12 @@ class Mirror:
             self.store.write(data, n)
             self._sizes[n] = len(data)
 
-    def _remove_gone(self, store_steps: set[int]) -> None:
+    def _remove_gone(self, in_store: set[int]) -> None:
         """Store steps the stage no longer holds: moved aside where the stage rejected them,
         deleted where retention let them go (their commit first)."""
         local = self.stage / CHECKPOINTS
         held = {int(p.name) for p in local.iterdir() if p.name.isdigit()} if local.is_dir() else set()
-        for step in sorted(store_steps - held):
+        for step in sorted(in_store - held):
             prefix = f"{CHECKPOINTS}/{step}"
             self.store.fs.rm(self.store.path(prefix, COMMITTED))
             if (self.stage / REJECTED / str(step)).exists():
@@ -563,6 +544,82 @@ class Mirror:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self.lease.release()
+
+
+def store_steps(store: Store) -> dict[int, Optional[dict]]:
+    """{step: its committed.json, or None for a step without one (an upload that was cut)}."""
+    steps = {}
+    for name in store.listdir(CHECKPOINTS):
+        if name.isdigit():
+            try:
+                steps[int(name)] = json.loads(store.read(CHECKPOINTS, name, COMMITTED))
+            except (FileNotFoundError, ValueError):
+                steps[int(name)] = None
+    return steps
+
+
+def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path, log: Log) -> Path:
+    """A committed step's files into checkpoints/<step>, through a temporary directory renamed
+    when whole (a fetch cut short leaves a leftover that is removed, never a step)."""
+    dst = checkpoints / str(step)
+    tmp = checkpoints / f"{step}{PULL_TMP}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0, size = time.time(), sum(files.values())
+    log(f"pulling step {step} ({size / 1e6:.1f} MB) from {store.url_of(CHECKPOINTS, str(step))}")
+    names = sorted(files)
+    store.get([f"{CHECKPOINTS}/{step}/{n}" for n in names], [tmp / n for n in names])
+    try:
+        os.replace(tmp, dst)
+    except OSError:
+        if not dst.is_dir():   # else another reader fetched it first
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    seconds = time.time() - t0
+    log(f"pulled step {step} in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.0f} MB/s)")
+    return dst
+
+
+_STEP_URL = re.compile(r"^(.*)/" + CHECKPOINTS + r"/(\d+)$")
+
+
+def readable(value: str, step: Optional[int] = None, log: Log = print) -> str:
+    """The --ckpt of a command that reads a run (eval, generate, convert export, grow): a local
+    path as it is; a URL's run, or its URL/checkpoints/<step>, fetched into the read cache
+    (FRACTUS_CACHE/read/...): the step named, or --step, or the newest the store holds as
+    committed, and the manifest. Takes no lease: a committed step's files never change.
+    Returns the local path to read; CheckpointError when the store cannot serve it."""
+    if scheme_of(value) is None:
+        return value
+    url, named = value.rstrip("/"), None
+    m = _STEP_URL.match(url)
+    if m:
+        url, named = m.group(1), int(m.group(2))
+    src = Store(url)
+    src.check_access()
+    try:
+        steps = {s: r for s, r in store_steps(src).items() if r is not None}
+        want = named if named is not None else step
+        if want is None:
+            if not steps:
+                raise CheckpointError(f"{url} holds no committed checkpoint")
+            want = max(steps)
+        if want not in steps:
+            raise CheckpointError(f"{url} has no committed checkpoint at step {want} (steps: {sorted(steps)})")
+        local = cache_dir() / "read" / src.scheme / src.root
+        checkpoints = local / CHECKPOINTS
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        for p in checkpoints.iterdir():   # the cache holds what the store still commits, as it has it
+            if p.name.isdigit() and (int(p.name) not in steps or _step_files(p) != steps[int(p.name)]["files"]):
+                shutil.rmtree(p)
+        if not (checkpoints / str(want)).is_dir():
+            fetch_step(src, want, steps[want]["files"], checkpoints, log)
+        if src.exists(MANIFEST):
+            rundir.write_text_atomic(local / MANIFEST, src.read(MANIFEST).decode())
+    except CheckpointError:
+        raise
+    except Exception as e:   # noqa: BLE001 - the store or the disk
+        raise CheckpointError(f"cannot fetch {value}: {rundir.reason(e)}") from None
+    return str(checkpoints / str(want)) if named is not None else str(local)
 
 
 def write_commit(store: Store, step: int, files: dict[str, int]) -> None:
