@@ -207,6 +207,28 @@ def test_the_deadline_margin_counts_the_upload(bucket, tmp_path, straight):
         mirror.close()
 
 
+def test_a_run_with_a_slow_store_stops_committed_before_its_deadline(s3, bucket, corpus_file, tmp_path, monkeypatch):
+    """Each upload takes 2 s more (a slow link): the run reserves the slowest uploads in its
+    margin, so that its last step is saved, uploaded and committed in the store before the
+    deadline, and the store holds that step."""
+    real = store.Mirror._upload_step
+
+    def slow(self, step):
+        time.sleep(2.0)
+        return real(self, step)
+
+    monkeypatch.setattr(store.Mirror, "_upload_step", slow)
+    deadline = time.time() + 45
+    cfg = tiny(corpus_file, "max_steps=1000000", "save_every=25", f"deadline={deadline}")
+    last, logs = train_url(cfg, f"s3://{bucket}/run", tmp_path / "stage")
+    ended = time.time()
+    stopped = [line for line in logs if line.startswith("stopped at step ") and "(deadline near)" in line]
+    assert len(stopped) == 1, logs
+    step = int(stopped[0].split()[3])
+    assert ended <= deadline, (ended - deadline, logs)
+    assert store_steps(s3, bucket, "run")[-1] == step == last["step"]
+
+
 # ----------------------------------------------------------------------------- kills and cuts
 
 KILLED = r'''
