@@ -504,16 +504,18 @@ class RunDir:
             raise first
 
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")   # scheme://rest: never a local path
 
 
 def local_path(value: str) -> str:
-    """The argparse type of a run directory, checkpoint or output path: a local path (or a
-    filesystem mounted on every host). A URL (s3://, gs://, ...) is refused with exit 2: it
-    is never taken as the local directory its slashes would collapse to ("s3:/runs/x")."""
-    if _URL.match(value):
-        scheme = value.split("://", 1)[0]
+    """The argparse type of a path that must be local (an output file, a new run directory
+    written by grow or import, a stage): a local path or a filesystem mounted on every host.
+    A URL (s3://, gs://, ...) is refused with exit 2: it is never taken as the local directory
+    its slashes would collapse to ("s3:/runs/x"). (Where a run is trained or read, s3:// is
+    served: `store.workdir_arg`.)"""
+    if URL.match(value):
+        scheme = URL.match(value).group(1)
         raise argparse.ArgumentTypeError(
-            f"{value!r} is a {scheme}:// URL; this version keeps a run on a local path (or a filesystem "
-            "mounted on every host), not on object storage: give a path")
+            f"{value!r} is a {scheme}:// URL; this option takes a local path (or a filesystem mounted "
+            "on every host): give a path")
     return value

@@ -67,7 +67,7 @@ RECENT_PUSHES = 5
 
 # scheme -> (the module fsspec needs for it, the extra that installs it); None: not served yet
 SCHEMES = {"s3": ("s3fs", "s3"), "gs": None}
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+_URL = rundir.URL
 
 Log = Callable[[str], None]
 
