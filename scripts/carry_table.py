@@ -193,7 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     p.add_argument("--keep", type=Path, default=None, metavar="DIR",
                    help="keep each row's run directory under DIR (named by the row's label), to score, "
-                        "decode or plot it later; by default they are temporary")
+                        "decode or plot it later; by default they are temporary. A row whose directory "
+                        "holds a run resumes it: a timed row then trains --minutes more")
     args = p.parse_args(argv)
     try:
         shape, table = TABLES[args.table]

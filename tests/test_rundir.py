@@ -244,9 +244,10 @@ def test_the_event_records_are_tensorboards_protobufs_byte_for_byte():
     ("train", ["--config", "tiny", "--workdir", "ftp://runs/tiny"]),
     ("eval", ["--ckpt", "gs://bucket/run"]),
     ("generate", ["--ckpt", "gs://runs/tiny", "--prompt", "a"]),
-    ("grow", ["--ckpt", "runs/tiny", "--out", "s3://runs/grown", "--add-layers", "1"]),
+    ("grow", ["--ckpt", "runs/tiny", "--out", "gs://runs/grown", "--add-layers", "1"]),
     ("convert", ["export", "--ckpt", "ftp://runs/tiny", "--out", "model.pt"]),
-    ("convert", ["import", "--pt", "model.pt", "--config", "tiny", "--out", "s3://runs/imported"]),
+    ("convert", ["import", "--pt", "model.pt", "--config", "tiny", "--out", "ftp://runs/imported"]),
+    ("convert", ["export", "--ckpt", "runs/tiny", "--out", "s3://runs/model.pt"]),
 ])
 def test_an_object_storage_url_is_refused_not_taken_as_a_local_path(command, argv, tmp_path, monkeypatch, capsys):
     """A run directory given as a URL a command does not serve (s3:// is served where a run is

@@ -359,3 +359,37 @@ def test_the_commands_train_on_a_url_resume_it_and_read_it(s3, bucket, corpus_fi
     assert eval_cli(["--ckpt", f"{url}/checkpoints/5", "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: {url} has no committed checkpoint at step 5 "
                                                 "(steps: [2, 4, 6])")
+
+
+def test_grow_and_import_write_a_new_run_to_a_url(s3, bucket, straight, corpus_file, tmp_path, monkeypatch, capsys):
+    """grow --out and convert import --out take a URL that holds no run: the new run is
+    committed in the store, reads as the same run written locally, and trains on from there."""
+    cfg6, straight_dir = straight
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    grown = f"s3://{bucket}/grown"
+    grow = ["--ckpt", str(straight_dir), "--add-layers", "1", "--corpus", str(corpus_file)]
+    assert grow_cli([*grow, "--out", grown]) == 0
+    assert grow_cli([*grow, "--out", str(tmp_path / "grown")]) == 0
+    assert store_steps(s3, bucket, "grown") == [6]
+    score = ["--ids", "512", "--json", "--no-progress", "--corpus", str(corpus_file)]
+    capsys.readouterr()
+    figures = []
+    for ckpt in (grown, str(tmp_path / "grown")):
+        assert eval_cli(["--ckpt", ckpt, *score]) == 0
+        figures.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["nats"])
+    assert figures[0] == figures[1]
+    assert grow_cli([*grow, "--out", grown]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{grown} holds a run already (step 6): give a new path")
+
+    pt = tmp_path / "run.pt"
+    assert convert_cli(["export", "--ckpt", str(straight_dir), "--out", str(pt), "--opt"]) == 0
+    imported = f"s3://{bucket}/imported"
+    assert convert_cli(["import", "--pt", str(pt), "--out", imported, "--config", "tiny",
+                        "--set", f"corpus={corpus_file}", "--set", "save_every=2"]) == 0
+    assert store_steps(s3, bucket, "imported") == [6]
+    capsys.readouterr()
+    assert train_cli(["--config", "tiny", "--workdir", imported, "--stage", str(tmp_path / "stage"),
+                      "--set", f"corpus={corpus_file}", "--set", "save_every=2", "--set", "max_steps=8",
+                      "--no-progress"]) == 0
+    assert f"resumed {tmp_path / 'stage'} at step 6" in capsys.readouterr().err
+    assert store_steps(s3, bucket, "imported")[-1] == 8

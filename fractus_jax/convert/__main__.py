@@ -29,7 +29,8 @@ def parse_args(argv=None):
                    help="the model hub's names: <stem>.bin for a .pt, <stem>.opt.bin for the moments")
     i = sub.add_parser("import", help="a PyTorch checkpoint → a new run directory the trainer resumes")
     i.add_argument("--pt", required=True, metavar="FILE", help=".pt, .bin, .pth or .safetensors")
-    i.add_argument("--out", required=True, metavar="DIR", type=local_path, help="the new run directory")
+    i.add_argument("--out", required=True, metavar="DIR", type=store.workdir_arg,
+                   help="the new run directory, or an s3:// URL that holds no run")
     i.add_argument("--config", required=True, help="a config name (fractus_jax/configs/NAME.py) or a path: the run's TrainConfig")
     i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, as for the trainer")
@@ -66,9 +67,10 @@ def main(argv=None) -> int:
             for path in run.export_run(ckpt, args.out, opt=args.opt, hub=args.hub, log=warn):
                 print(path)
         else:
-            meta = run.import_checkpoint(args.pt, args.out, args.config, args.overrides, opt_file=args.opt_file,
-                                         no_opt=args.no_opt, fresh_carry=args.fresh_carry,
-                                         trust_pickle=args.trust_pickle, log=warn)
+            with store.new_run(args.out, log=lambda m: print(m, file=sys.stderr)) as out:
+                meta = run.import_checkpoint(args.pt, out, args.config, args.overrides, opt_file=args.opt_file,
+                                             no_opt=args.no_opt, fresh_carry=args.fresh_carry,
+                                             trust_pickle=args.trust_pickle, log=warn)
             print(f"{args.out}: step {meta['step']}, lane offset {meta['start_token_next']}, "
                   f"batch {meta['batch_size']}, carry {meta['carry']}")
     except (ConversionError, ConfigError, CheckpointError) as e:

@@ -16,7 +16,7 @@ from fractus_jax.atom.corpus import CorpusError
 from fractus_jax.grow import run as grow_run
 from fractus_jax.growth import GrowthError, GrowthSpec
 from fractus_jax.train import store
-from fractus_jax.train.rundir import CheckpointError, local_path, read_manifest
+from fractus_jax.train.rundir import CheckpointError, read_manifest
 
 
 def parse_args(argv=None):
@@ -24,7 +24,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=store.workdir_arg,
                    help="a run directory (its latest checkpoint) or DIR/checkpoints/<step>")
-    p.add_argument("--out", required=True, metavar="DIR", type=local_path, help="the new run directory (absent or empty)")
+    p.add_argument("--out", required=True, metavar="DIR", type=store.workdir_arg,
+                   help="the new run directory (absent or empty), or an s3:// URL that holds no run")
     p.add_argument("--add-layers", type=int, default=0, metavar="N", help="blocks appended after the last one")
     p.add_argument("--add-experts", type=int, default=0, metavar="N", help="experts added to every layer")
     p.add_argument("--siren-rank", type=int, default=None, metavar="R", help="the new expert rank (>= the current)")
@@ -46,8 +47,10 @@ def main(argv=None) -> int:
     try:
         spec = GrowthSpec(args.add_layers, args.add_experts, args.siren_rank)
         ckpt = store.readable(args.ckpt, log=lambda m: print(m, file=sys.stderr))
-        record = grow_run.grow_run(ckpt, args.out, spec, args.overrides, hits=args.hits,
-                              probe_rows=args.probe_rows, corpus=args.corpus, seed=args.seed, log=warn)
+        with store.new_run(args.out, log=lambda m: print(m, file=sys.stderr)) as out:
+            record = grow_run.grow_run(ckpt, out, spec, args.overrides, hits=args.hits,
+                                       probe_rows=args.probe_rows, corpus=args.corpus, seed=args.seed, log=warn)
+            growth = read_manifest(out)["growth"]
     except (GrowthError, CheckpointError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -59,7 +62,6 @@ def main(argv=None) -> int:
     cap = record.get("capacity_per_expert")
     if cap and cap["before"] != cap["after"]:
         print(f"capacity per expert per group of {cap['group_tokens']} tokens: {cap['before']} -> {cap['after']}")
-    growth = read_manifest(args.out)["growth"]
     print("resume with the run's trainer command plus: " + " ".join(f"--set {o}" for o in grow_run.resume_overrides(growth)))
     print(json.dumps(record, sort_keys=True))
     return 0

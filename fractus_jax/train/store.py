@@ -35,17 +35,19 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
 import os
 import re
 import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import jax
 
@@ -620,6 +622,33 @@ def readable(value: str, step: Optional[int] = None, log: Log = print) -> str:
     except Exception as e:   # noqa: BLE001 - the store or the disk
         raise CheckpointError(f"cannot fetch {value}: {rundir.reason(e)}") from None
     return str(checkpoints / str(want)) if named is not None else str(local)
+
+
+@contextlib.contextmanager
+def new_run(value: str, log: Log = print) -> Iterator[str]:
+    """The --out of a command that writes a new run directory (grow, convert import): a local
+    path as it is; for a URL, the lease is taken (the URL must hold no run), a temporary stage
+    is given to the command to write in, and once it has written, every step it committed
+    is uploaded and committed in the store, the lease released and the stage removed. A
+    command that fails leaves the URL as it was."""
+    if scheme_of(value) is None:
+        yield value
+        return
+    stage = Path(tempfile.mkdtemp(prefix="fractus-new-run-"))
+    try:
+        mirror = open_mirror(value, stage / "run", log=log)
+        try:
+            if mirror.committed is not None:
+                raise CheckpointError(f"{mirror.url} holds a run already (step {mirror.committed}): give a new path")
+            yield str(mirror.stage)
+            checkpoints = mirror.stage / CHECKPOINTS
+            for step in sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()):
+                mirror.push(step)
+            mirror.close()
+        finally:
+            mirror.close(quiet=True)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def write_commit(store: Store, step: int, files: dict[str, int]) -> None:
