@@ -153,3 +153,15 @@ def pytest_make_collect_report(collector):
     if _project_import_skip(report):
         report.outcome = "failed"
         report.longrepr = f"a failing import of the project's own code is a failure, not a skip: {report.longrepr[2]}"
+
+
+@pytest.fixture(scope="module")
+def straight(corpus_file, tmp_path_factory):
+    """(cfg to step 6, the directory of tiny trained to step 6 uninterrupted, save_every=2):
+    the run a killed or cut one must end equal to (test_kills.py, test_store.py)."""
+    from test_faults import tiny, train
+
+    cfg6 = tiny(corpus_file, "max_steps=6")
+    d = tmp_path_factory.mktemp("straight") / "straight"
+    train(cfg6, d)
+    return cfg6, d

@@ -150,13 +150,14 @@ class Relay:
 
 
 def set_env(monkeypatch, env: dict) -> None:
+    """This process's AWS_* variables: env's, and no other (a profile or endpoint of the
+    machine's own must not reach the test server's clients)."""
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(k, raising=False)
 
 
 def child_env(env: dict) -> dict:
-    out = {k: v for k, v in os.environ.items() if k not in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3")}
-    out.update(env)
-    return out
+    """A child process's environment: this one's, its AWS_* variables replaced by env's."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, **env}

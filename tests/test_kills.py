@@ -42,7 +42,7 @@ from fractus_jax.atom.corpus import build_corpus, open_corpus
 from fractus_jax.atom.reader import read_index, shard_paths
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import rundir
-from test_faults import ROOT, assert_same_state, metrics_steps, strict, tiny, train
+from test_faults import ROOT, assert_same_state, metrics_steps, strict, train
 
 SEED = 20240613
 CHILD_TIMEOUT = 600   # seconds for a child to reach the moment it is killed at (a slow CPU)
@@ -246,15 +246,6 @@ class Child:
 
 
 # ----------------------------------------------------------------------------- the trainer
-
-@pytest.fixture(scope="module")
-def straight(corpus_file, tmp_path_factory):
-    """(cfg to step 6, the directory of the run trained to step 6 uninterrupted)."""
-    cfg6 = tiny(corpus_file, "max_steps=6")
-    d = tmp_path_factory.mktemp("kills") / "straight"
-    train(cfg6, d)
-    return cfg6, d
-
 
 def kill_trainer(cfg, d: Path, log: Path, hold=None, fraction=None) -> tuple[Child, float]:
     """Run the trainer on d and SIGKILL it: when it reports `hold` (held there), or, nothing

@@ -25,7 +25,7 @@ from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train.__main__ import main as train_cli
 from fractus_jax.train.__main__ import parse_args
 from s3_testing import Relay, S3Server, child_env, set_env
-from test_faults import ROOT, assert_same_state, metrics_steps, restore, strict, tiny, train
+from test_faults import ROOT, assert_same_state, metrics_steps, restore, strict, tiny
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +39,6 @@ def s3():
 def bucket(s3, monkeypatch, request):
     set_env(monkeypatch, s3.env())
     return s3.bucket(f"b{abs(hash(request.node.nodeid)) % 10**12}")
-
-
-@pytest.fixture(scope="module")
-def straight(corpus_file, tmp_path_factory):
-    """(cfg to step 6, a local run trained to step 6 uninterrupted)."""
-    cfg6 = tiny(corpus_file, "max_steps=6")
-    d = tmp_path_factory.mktemp("store") / "straight"
-    train(cfg6, d)
-    return cfg6, d
 
 
 def train_url(cfg, url, stage):

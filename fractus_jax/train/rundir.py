@@ -197,6 +197,18 @@ def remove_leftovers(workdir, log: Log) -> list[Path]:
     return removed
 
 
+def move_aside(src: Path, dst_dir: Path) -> Path:
+    """Move src into dst_dir under its own name, or NAME-2, NAME-3, ... where that is taken."""
+    dst = dst_dir / src.name
+    n = 1
+    while dst.exists():
+        n += 1
+        dst = dst_dir / f"{src.name}-{n}"
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    os.replace(src, dst)
+    return dst
+
+
 def set_aside_steps(workdir, steps: Iterable[int], log: Log) -> list[Path]:
     """Move rejected step directories to DIR/rejected/ (kept for inspection, out of Orbax's sight,
     so that the run can save those step numbers again)."""
@@ -206,17 +218,10 @@ def set_aside_steps(workdir, steps: Iterable[int], log: Log) -> list[Path]:
         src = workdir / CHECKPOINTS / str(step)
         if not src.exists():
             continue
-        dst = workdir / REJECTED / str(step)
-        n = 1
-        while dst.exists():
-            n += 1
-            dst = workdir / REJECTED / f"{step}-{n}"
         try:
-            dst.parent.mkdir(exist_ok=True)
-            os.replace(src, dst)
+            moved.append(move_aside(src, workdir / REJECTED))
         except OSError as e:
             raise io_error("cannot move a rejected checkpoint aside:", src, e, None) from None
-        moved.append(dst)
     if moved:
         log(f"note: moved the rejected checkpoint{'s' if len(moved) > 1 else ''} to "
             f"{', '.join(str(p) for p in moved)} (delete {'them' if len(moved) > 1 else 'it'} when done)")

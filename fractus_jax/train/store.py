@@ -357,17 +357,6 @@ def _log_files(stage: Path) -> list[str]:
     return names
 
 
-def _move_aside(src: Path, dst_dir: Path) -> Path:
-    dst = dst_dir / src.name
-    n = 1
-    while dst.exists():
-        n += 1
-        dst = dst_dir / f"{src.name}-{n}"
-    dst_dir.mkdir(parents=True, exist_ok=True)
-    os.replace(src, dst)
-    return dst
-
-
 class Mirror:
     """The store's side of a run trained in a local stage: `open` (lease, pull), `push(step)`
     after each local commit (in the background), `settle` (wait for it; raise what failed),
@@ -428,7 +417,7 @@ class Mirror:
                     continue
                 record = steps.get(int(p.name))
                 if record is None or _step_files(p) != record.get("files"):
-                    moved = _move_aside(p, self.stage / UNPUSHED)
+                    moved = rundir.move_aside(p, self.stage / UNPUSHED)
                     self.log(f"note: moved {p} to {moved}: {self.url} does not hold it as committed")
         for step in sorted(steps):
             if not (local / str(step)).exists():
@@ -436,9 +425,9 @@ class Mirror:
         for name in (METRICS, MANIFEST):
             path = self.stage / name
             if path.exists():
-                _move_aside(path, self.stage / UNPUSHED)
+                rundir.move_aside(path, self.stage / UNPUSHED)
         if (self.stage / TENSORBOARD).exists():
-            _move_aside(self.stage / TENSORBOARD, self.stage / UNPUSHED)
+            rundir.move_aside(self.stage / TENSORBOARD, self.stage / UNPUSHED)
         logs = [n for n in self.store.files() if n in (METRICS, MANIFEST) or n.startswith(TENSORBOARD + "/")]
         self.store.get(logs, [self.stage / n for n in logs])
         self._sizes = {n: (self.stage / n).stat().st_size for n in logs}
