@@ -826,12 +826,12 @@ def test_init_from_starts_a_fresh_run_from_another_runs_weights(corpus_file, tmp
     ids = prepare_lib.prepare(cfg, tmp_path / "probe", progress=False).train.ids
     from_source, _ = jax.jit(step_lib.make_train_step(cfg))(
         state, {"ids": LaneReader(ids, cfg.batch_size, cfg.seq_len).read(0)[0]})
-    # leaf by leaf within 1e-3 of the step's update (two programs; AdamW's first step turns a
-    # rounding of a near-zero gradient element into a step of up to lr on one side only)
-    for a, b, w in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(jax.device_get(from_source["params"])),
-                       jax.tree.leaves(weights)):
-        a, b, w = (np.asarray(x, np.float64) for x in (a, b, w))
-        assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b - w) + 1e-12
+    # every element within 2% of the step's learning rate of the same step taken here (two
+    # programs: measured 1.2e-5 at lr 1.5e-3, 0.8%; AdamW's first step turns the rounding of
+    # a gradient element that nearly cancels into a share of lr, one side only)
+    lr = float(state_lib.learning_rate(cfg, 0))
+    for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(jax.device_get(from_source["params"]))):
+        assert float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()) <= 0.02 * lr
     # the control: the config's own initialisation is far from where the run started
     fresh, _ = state_lib.create_train_state(cfg, sharding.make_mesh(), jax.random.PRNGKey(cfg.seed))
     assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
