@@ -47,7 +47,8 @@ from fractus_jax.train.heldout import HeldOut, bigram_baseline
 CONSTANT = ["lr_schedule=constant", "decay_steps=0", "lr_floor=0"]
 RECIPE_60 = ["lr=3e-3", "warmup_steps=10", "max_steps=60", *CONSTANT]     # smoke's recipe before resets
 NO_RESET = ["carry_reset_every=0", "carry_reset_prob=0"]
-RUNNING_SUM = ["model.carry_decay=none"]   # the parent's carry (smoke's own is a decay ladder)
+RUNNING_SUM = ["model.learn_carry_decay=false", "model.carry_decay=none"]   # the parent's carry (smoke's own
+# is a learned decay)
 EVERY_STEP = ["carry_reset_every=1", "carry_reset_prob=0"]
 LR_6E3 = ["lr=6e-3", "warmup_steps=10", *CONSTANT]
 FIGURES = ("val_ce", "val_bpb", "val_ce_warm", "val_bpb_warm", "val_ce_no_carry", "val_bpb_no_carry")
@@ -70,9 +71,11 @@ def cosine(steps: int) -> list[str]:
     return ["lr_schedule=cosine", f"decay_steps={steps}", "lr_floor=3e-4"]
 
 
-def ladder(horizon: float) -> str:
-    """model.carry_decay as a golden-ratio ladder of horizons from `horizon` ids (2 levels)."""
-    return "model.carry_decay=" + ",".join(f"{g:.6g}" for g in decay_ladder(horizon, 2))
+def ladder(horizon: float) -> list[str]:
+    """A fixed carry decay: a golden-ratio ladder of horizons from `horizon` ids (2 levels); a
+    row that learns it sets model.learn_carry_decay=true after."""
+    return ["model.learn_carry_decay=false",
+            "model.carry_decay=" + ",".join(f"{g:.6g}" for g in decay_ladder(horizon, 2))]
 
 
 # Each table: the lanes' shape (set on the base, so the bigram scores the same targets) and its rows.
@@ -117,28 +120,28 @@ TABLES = {
     "carry": (["batch_size=64", "seq_len=16", *STUDY], [
         ("restart every chunk, K=1 (smoke's former recipe)", [*bptt(1), *EVERY_STEP, *RUNNING_SUM]),
         ("carry streamed, K=1 (the PyTorch trainers')", [*bptt(1), *NO_RESET, *RUNNING_SUM]),
-        ("decay ladder h=10, streamed, K=1", [*bptt(1), *NO_RESET, ladder(10)]),
-        ("decay ladder h=10, streamed, K=4", [*bptt(4), *NO_RESET, ladder(10)]),
+        ("decay ladder h=10, streamed, K=1", [*bptt(1), *NO_RESET, *ladder(10)]),
+        ("decay ladder h=10, streamed, K=4", [*bptt(4), *NO_RESET, *ladder(10)]),
         ("decay ladder h=10, 64-id chunks, streamed, K=1", ["batch_size=16", "seq_len=64", *bptt(1), *NO_RESET,
-                                                             ladder(10)]),
-        ("decay ladder h=32, streamed, K=4", [*bptt(4), *NO_RESET, ladder(32)]),
-        ("decay ladder h=4, streamed, K=4", [*bptt(4), *NO_RESET, ladder(4)]),
+                                                             *ladder(10)]),
+        ("decay ladder h=32, streamed, K=4", [*bptt(4), *NO_RESET, *ladder(32)]),
+        ("decay ladder h=4, streamed, K=4", [*bptt(4), *NO_RESET, *ladder(4)]),
         ("running sum, streamed, K=4", [*bptt(4), *NO_RESET, *RUNNING_SUM]),
-        ("learned decay from ladder h=10, streamed, K=4", [*bptt(4), *NO_RESET, ladder(10),
+        ("learned decay from ladder h=10, streamed, K=4", [*bptt(4), *NO_RESET, *ladder(10),
                                                            "model.learn_carry_decay=true"]),
         ("learned decay from ladder h=10, 32-id chunks, streamed, K=4", [
-            "batch_size=32", "seq_len=32", *bptt(4), *NO_RESET, ladder(10), "model.learn_carry_decay=true"]),
+            "batch_size=32", "seq_len=32", *bptt(4), *NO_RESET, *ladder(10), "model.learn_carry_decay=true"]),
         ("learned decay from ladder h=10, 64-id chunks, streamed, K=4", [
-            "batch_size=16", "seq_len=64", *bptt(4), *NO_RESET, ladder(10), "model.learn_carry_decay=true"]),
+            "batch_size=16", "seq_len=64", *bptt(4), *NO_RESET, *ladder(10), "model.learn_carry_decay=true"]),
         ("learned decay from ladder h=10, 32-id chunks, streamed, K=8", [
-            "batch_size=32", "seq_len=32", *bptt(8), *NO_RESET, ladder(10), "model.learn_carry_decay=true"]),
+            "batch_size=32", "seq_len=32", *bptt(8), *NO_RESET, *ladder(10), "model.learn_carry_decay=true"]),
         # the best row's recipe with the rate decayed to the budget's end: 4820 steps in 20
         # minutes and 15430 in 60 at the constant rate, on one core
         ("cosine over 4750 steps (20 minutes), learned decay h=10, 32-id chunks, K=4", [
-            "batch_size=32", "seq_len=32", *bptt(4), *NO_RESET, ladder(10), "model.learn_carry_decay=true",
+            "batch_size=32", "seq_len=32", *bptt(4), *NO_RESET, *ladder(10), "model.learn_carry_decay=true",
             *cosine(4750)]),
         ("cosine over 15300 steps (60 minutes), learned decay h=10, 32-id chunks, K=4", [
-            "batch_size=32", "seq_len=32", *bptt(4), *NO_RESET, ladder(10), "model.learn_carry_decay=true",
+            "batch_size=32", "seq_len=32", *bptt(4), *NO_RESET, *ladder(10), "model.learn_carry_decay=true",
             *cosine(15300)]),
     ]),
 }

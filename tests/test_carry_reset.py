@@ -187,6 +187,28 @@ def test_the_table_script_prints_a_row_beside_the_bigram(corpus_file, capsys):
         table.main(["--config", "tiny", "--table", "9x9"])
 
 
+def test_every_table_row_sets_the_carry_it_measures():
+    """A row names its carry (decay, learned or not) and its schedule itself: applied on smoke
+    and on smoke with another carry, every row of every table gives the same config, and
+    each applies (a row that relied on the config's default broke when smoke changed)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "carry_table.py"
+    spec = importlib.util.spec_from_file_location("carry_table", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    smoke = cfg_lib.load_config("smoke")
+    other = cfg_lib.apply_overrides(smoke, ["model.learn_carry_decay=false", "model.carry_decay=0.5,0.6"])
+    assert smoke.model.learn_carry_decay   # else the two bases do not differ where it matters
+    for name, (shape, rows) in table.TABLES.items():
+        for label, overrides in rows:
+            a, b = (cfg_lib.apply_overrides(base, shape + overrides) for base in (smoke, other))
+            assert (a.model.carry_decay, a.model.learn_carry_decay) == (b.model.carry_decay,
+                                                                         b.model.learn_carry_decay), (name, label)
+            assert a.lr_schedule == b.lr_schedule and a.decay_steps == b.decay_steps, (name, label)
+
+
 def test_generate_decodes_as_the_run_trained(corpus_file, tmp_path, capsys):
     """A run whose every step started from the initial carry, reading accum=2 chunks a step,
     trained the window function of 2·seq_len ids: `generate` without --mode decodes so; a
