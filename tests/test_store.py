@@ -159,20 +159,83 @@ def test_the_lease_admits_one_writer(bucket, monkeypatch):
     assert not run.exists(store.LEASE)
     # a holder of this host whose process ended is taken over at once
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    # (a container with the same host name but another pid namespace does not count)
+    for machine in ("another-boot/1", None):
+        run.write(json.dumps({"holder": "dead", "host": store.socket.gethostname(), "pid": int(gone.stdout),
+                              "machine": machine, "expires": time.time() + 1000}).encode(), store.LEASE)
+        with pytest.raises(rundir.RunDirBusy, match="is in use by pid"):
+            store.Lease(run, notes.append).acquire()
     run.write(json.dumps({"holder": "dead", "host": store.socket.gethostname(), "pid": int(gone.stdout),
-                          "expires": time.time() + 1000}).encode(), store.LEASE)
+                          "machine": store._machine(), "expires": time.time() + 1000}).encode(), store.LEASE)
     third = store.Lease(run, notes.append).acquire()
     assert "its holder's process has ended" in notes[-1]
+    # a renewal the store took but whose answer was lost is still ours
+    run.write(third._body(), store.LEASE)
+    third.renew()
+    third.check()
+    assert third.etag == run.etag(store.LEASE)
+    # a holder that could not renew for LEASE_TRUST_SECONDS commits no more
+    third._renewed -= store.LEASE_TRUST_SECONDS + 1
+    with pytest.raises(rundir.RunDirBusy, match=r"the lease was not renewed for \d+ s"):
+        third.check()
     third.release()
 
 
-def test_a_store_that_ignores_conditional_writes_is_refused(bucket, monkeypatch):
+@pytest.mark.parametrize("ignored", ["mode", "IfMatch"])
+def test_a_store_that_ignores_conditional_writes_is_refused(ignored, bucket, monkeypatch):
     run = store.Store(f"s3://{bucket}/run")
     real = run.write
-    monkeypatch.setattr(run, "write", lambda data, *parts, **conditions: real(data, *parts))
-    with pytest.raises(rundir.CheckpointError, match="ignores conditional writes"):
+    monkeypatch.setattr(run, "write", lambda data, *parts, **conditions: real(
+        data, *parts, **{k: v for k, v in conditions.items() if k != ignored}))
+    words = {"mode": "If-None-Match", "IfMatch": "If-Match"}[ignored]
+    with pytest.raises(rundir.CheckpointError, match=f"ignores conditional writes \\({words}\\)"):
         store.Lease(run, print).acquire()
     assert not run.exists(store.LEASE)
+
+
+def test_a_lease_the_store_refuses_to_write_is_one_line(bucket, monkeypatch, tmp_path, capsys):
+    """Credentials that read but may not write: exit 2 and one line, before any step."""
+    real = store.Store.write
+
+    def read_only(self, data, *parts, **conditions):
+        raise PermissionError("Access Denied")
+
+    monkeypatch.setattr(store.Store, "write", read_only)
+    url = f"s3://{bucket}/run"
+    code = train_cli(["--config", "tiny", "--workdir", url, "--stage", str(tmp_path / "stage"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [f"error: {url}: cannot take the run's lease (PermissionError: Access Denied); the "
+                   "credentials must be allowed to write there"]
+    monkeypatch.setattr(store.Store, "write", real)
+    store.open_mirror(url, tmp_path / "stage").close()   # the stage's lock was let go
+
+
+def test_two_urls_on_one_stage_are_refused_before_the_pull(bucket, tmp_path):
+    """A second run staged in the same directory is refused before it moves anything there."""
+    first = store.open_mirror(f"s3://{bucket}/a", tmp_path / "stage")
+    try:
+        (tmp_path / "stage" / "metrics.jsonl").write_text("{}\n")
+        with pytest.raises(rundir.RunDirBusy, match="is in use by pid"):
+            store.open_mirror(f"s3://{bucket}/b", tmp_path / "stage")
+        assert (tmp_path / "stage" / "metrics.jsonl").read_text() == "{}\n"
+        assert not (tmp_path / "stage" / store.UNPUSHED).exists()
+    finally:
+        first.close()
+
+
+def test_a_reader_refuses_a_step_whose_files_differ_from_its_commit(s3, bucket, tmp_path, monkeypatch):
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="run/checkpoints/2/meta/data", Body=b"12345")
+    client.put_object(Bucket=bucket, Key="run/checkpoints/2/committed.json",
+                      Body=json.dumps({"step": 2, "files": {"meta/data": 4}}).encode())
+    with pytest.raises(rundir.CheckpointError, match=r"checkpoints/2 does not hold the files its committed.json "
+                                                     r"names \(1 differ, e.g. meta/data\)"):
+        store.readable(f"s3://{bucket}/run")
+    assert not list((tmp_path / "cache").rglob("data"))
+    with pytest.raises(rundir.CheckpointError, match="give a bucket and a path inside it"):
+        store.readable(f"s3://{bucket}/checkpoints/2")   # a run at the bucket's root
 
 
 # ----------------------------------------------------------------------------- the margin
@@ -218,6 +281,32 @@ def test_a_run_with_a_slow_store_stops_committed_before_its_deadline(s3, bucket,
     step = int(stopped[0].split()[3])
     assert ended <= deadline, (ended - deadline, logs)
     assert store_steps(s3, bucket, "run")[-1] == step == last["step"]
+
+
+def test_a_slow_upload_is_not_pruned_under_it(s3, bucket, corpus_file, tmp_path, monkeypatch):
+    """keep_checkpoints=1 and uploads slower than the steps: each step's upload ends before
+    retention or the next manifest touches the stage, so every commit the store receives
+    names the step's files, and the store ends with the last step alone."""
+    real = store.Mirror._upload_step
+    commits = []
+    write_commit = store.write_commit
+
+    def slow(self, step):
+        time.sleep(1.0)
+        return real(self, step)
+
+    def record(s, step, files):
+        commits.append((step, files))
+        write_commit(s, step, files)
+
+    monkeypatch.setattr(store.Mirror, "_upload_step", slow)
+    monkeypatch.setattr(store, "write_commit", record)
+    cfg = tiny(corpus_file, "max_steps=4", "save_every=1", "keep_checkpoints=1")
+    last, logs = train_url(cfg, f"s3://{bucket}/run", tmp_path / "stage")
+    assert [step for step, _ in commits] == [1, 2, 3, 4]
+    assert all("checksums.json" in files and len(files) > 3 for _, files in commits), commits
+    assert store_steps(s3, bucket, "run") == [4]
+    assert strict(s3.read(bucket, "run/manifest.json").decode())["step"] == 4
 
 
 # ----------------------------------------------------------------------------- kills and cuts
@@ -297,6 +386,31 @@ def test_a_store_cut_inside_an_upload_loses_nothing_committed(s3, bucket, straig
     assert_same_state(straight_dir, stage, cfg6)
     assert store_steps(s3, bucket, "run") == sorted(int(p.name) for p in (stage / "checkpoints").iterdir())
     assert store_steps(s3, bucket, "run")[-1] == 6
+
+
+def test_a_rejected_step_saved_again_is_moved_aside_in_the_store(s3, bucket, straight, tmp_path):
+    """Step 4 damaged in the store (same sizes): a new pod pulls it, its resume rejects it and
+    falls back to step 2; when step 4 is saved again, the store's old one goes to
+    URL/rejected/4 before any new file lands, and the run ends equal to one never damaged."""
+    cfg6, straight_dir = straight
+    url = f"s3://{bucket}/run"
+    train_url(tiny(cfg6.corpus, "max_steps=4"), url, tmp_path / "pod-a")
+    keys = s3.keys(bucket, "run/checkpoints/4/params/")
+    biggest = max(keys, key=lambda k: len(s3.read(bucket, k)))
+    data = bytearray(s3.read(bucket, biggest))
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 64])
+    s3.client().put_object(Bucket=bucket, Key=biggest, Body=bytes(data))
+    stage = tmp_path / "pod-b"
+    last, logs = train_url(cfg6, url, stage)
+    assert any(line.startswith("warning: step 4: params failed its checksum; falling back to step 2")
+               for line in logs), logs
+    assert f"note: moved the rejected {url}/checkpoints/4 to {url}/rejected/4" in logs, logs
+    assert s3.read(bucket, "rejected/4/".join(biggest.split("checkpoints/4/"))) == bytes(data)
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == sorted(int(p.name) for p in (stage / "checkpoints").iterdir())
+    held = json.loads(s3.read(bucket, "run/checkpoints/4/committed.json"))["files"]
+    assert held == {str(p.relative_to(stage / "checkpoints" / "4")): p.stat().st_size
+                    for p in (stage / "checkpoints" / "4").rglob("*") if p.is_file()}
 
 
 def test_the_commands_train_on_a_url_resume_it_and_read_it(s3, bucket, corpus_file, tmp_path, capsys, monkeypatch):

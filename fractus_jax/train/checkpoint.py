@@ -321,6 +321,10 @@ class RunCheckpointer:
         self._good[step] = good
         if good:   # committed: a resume takes it, checksums or not
             self.last_good = step
+        if self.mirror is not None:
+            # the previous step's upload reads the stage's steps and manifest: it ends before
+            # retention or this step's manifest changes them
+            self.mirror.settle()
         lead = jax.process_index() == 0
         try:
             if lead:

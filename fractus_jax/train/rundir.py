@@ -424,7 +424,8 @@ class RunDir:
         self.lead = lead
         self.log = log
         self.tensorboard_on = tensorboard
-        self.lock = RunLock(self.workdir)
+        # a staged run's lock is its mirror's, taken before the pull filled the stage
+        self.lock = mirror.lock if mirror is not None else RunLock(self.workdir)
         self.metrics: Optional[MetricsLog] = None
         self.tensorboard: Optional[TensorBoardEvents] = None
         self.checkpointer = None   # anything with close() and last_good

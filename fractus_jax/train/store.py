@@ -53,7 +53,8 @@ import jax
 
 from fractus_jax.train import rundir
 from fractus_jax.train.prepare import cache_dir
-from fractus_jax.train.rundir import CHECKPOINTS, MANIFEST, METRICS, ORBAX_TMP, REJECTED, CheckpointError, RunDirBusy
+from fractus_jax.train.rundir import (CHECKPOINTS, MANIFEST, METRICS, ORBAX_TMP, REJECTED, CheckpointError, RunDirBusy,
+                                     RunLock)
 from fractus_jax.train.tboard import DIRNAME as TENSORBOARD
 
 LEASE = "lease.json"
@@ -62,6 +63,9 @@ UNPUSHED = "unpushed"
 PULL_TMP = ORBAX_TMP + "-pull"       # a step being pulled (removed at start like Orbax's leftovers)
 LEASE_SECONDS = 120.0                # a lease not renewed for this long is free to take
 LEASE_RENEW_SECONDS = 30.0
+# A holder whose last renewal is older than this commits nothing more: past LEASE_SECONDS
+# another process may take the lease, and the margin covers clocks that disagree.
+LEASE_TRUST_SECONDS = LEASE_SECONDS - 2 * LEASE_RENEW_SECONDS
 # An upload not yet timed is sized by its bytes at this rate (1 Gbit/s: a rented pod's
 # uplink to a bucket in another region is often no faster).
 UPLOAD_BYTES_PER_SECOND = 125e6
@@ -216,14 +220,17 @@ class Lease:
     that names the ETag this holder last wrote (If-Match), so that a lease another process
     took over is never overwritten; taken over by the same If-Match once it expired (not
     renewed for LEASE_SECONDS: its holder died) or when its holder is a process of this
-    host that no longer lives. A store that ignores the conditions is refused at acquire.
-    A holder that lost its lease (`lost`) commits nothing more."""
+    machine and process namespace (the same boot and pid namespace: containers sharing a
+    host name do not count) that no longer lives. A store that ignores either condition is
+    refused at acquire. A holder that lost its lease (`lost`), or could not renew it for
+    LEASE_TRUST_SECONDS, commits nothing more."""
 
     def __init__(self, store: Store, log: Log):
         self.store, self.log = store, log
         self.holder = uuid.uuid4().hex
         self.etag: Optional[str] = None
         self.lost: Optional[str] = None
+        self._renewed = 0.0          # time.monotonic() of the last PUT the store took
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -231,21 +238,24 @@ class Lease:
     def _body(self) -> bytes:
         now = time.time()
         return json.dumps({"holder": self.holder, "host": socket.gethostname(), "pid": os.getpid(),
-                           "renewed": now, "expires": now + LEASE_SECONDS}, sort_keys=True).encode()
+                           "machine": _machine(), "renewed": now, "expires": now + LEASE_SECONDS},
+                          sort_keys=True).encode()
 
     def _check_conditions(self) -> None:
-        """A create-if-absent on an object that exists must fail; a store that lets it through
-        would let two writers hold the lease."""
+        """A create-if-absent on an object that exists must fail, and so must a PUT naming an
+        ETag the object does not have; a store (or a client) that lets either through would
+        let two writers hold the lease."""
         probe = f".conditional-put-probe-{self.holder}"
         try:
             self.store.write(b"1", probe, mode="create")
-            try:
-                self.store.write(b"2", probe, mode="create")
-            except FileExistsError:
-                return
-            raise CheckpointError(f"{self.store.url}: this store ignores conditional writes (If-None-Match), so "
-                                  "it cannot hold the run's lease; use a store that honours them (AWS S3, MinIO, "
-                                  "recent Ceph and R2 do)")
+            for condition, kwargs in (("If-None-Match", {"mode": "create"}), ("If-Match", {"IfMatch": '"0"'})):
+                try:
+                    self.store.write(b"2", probe, **kwargs)
+                except (FileExistsError, OSError):
+                    continue
+                raise CheckpointError(f"{self.store.url}: this store ignores conditional writes ({condition}), so "
+                                      "it cannot hold the run's lease; use a store that honours them (AWS S3, "
+                                      "MinIO, recent Ceph and R2 do)")
         finally:
             try:
                 self.store.fs.rm(self.store.path(probe))
@@ -259,6 +269,7 @@ class Lease:
         except FileExistsError:
             answer = self._take_over()
         self.etag = answer.get("ETag") if isinstance(answer, dict) else self.store.etag(LEASE)
+        self._renewed = time.monotonic()
         _HELD.add(self.holder)
         self._thread = threading.Thread(target=self._renew_loop, name="fractus-lease", daemon=True)
         self._thread.start()
@@ -266,6 +277,11 @@ class Lease:
 
     def _take_over(self):
         etag = self.store.etag(LEASE)
+        if etag is None:   # released since the create found it: create it again
+            try:
+                return self.store.write(self._body(), LEASE, mode="create")
+            except FileExistsError:
+                raise RunDirBusy(f"{self.store.url}: another process took the lease at the same moment") from None
         try:
             held = json.loads(self.store.read(LEASE))
         except (FileNotFoundError, ValueError):
@@ -274,7 +290,7 @@ class Lease:
         expired = float(held.get("expires", 0)) < now
         # a holder of this host that ended, or a lease this process left (a run here that
         # could not release it) and no longer holds
-        dead_here = held.get("host") == socket.gethostname() and (
+        dead_here = held.get("host") == socket.gethostname() and held.get("machine") == _machine() and (
             not _alive(held.get("pid")) or (held.get("pid") == os.getpid() and held.get("holder") not in _HELD))
         if not (expired or dead_here):
             raise RunDirBusy(f"{self.store.url} is in use by pid {held.get('pid')} on {held.get('host')} (its lease, "
@@ -298,10 +314,19 @@ class Lease:
                 answer = self.store.write(self._body(), LEASE, IfMatch=self.etag)
             except (FileExistsError, FileNotFoundError, OSError) as e:
                 current = self.store.etag(LEASE)
-                if current != self.etag:
+                if current == self.etag:
+                    return   # a store that does not answer: tried again at the next renewal
+                try:
+                    mine = json.loads(self.store.read(LEASE)).get("holder") == self.holder
+                except (FileNotFoundError, ValueError):
+                    mine = False
+                if mine:   # our PUT was taken and its answer lost
+                    self.etag, self._renewed = current, time.monotonic()
+                else:
                     self.lost = f"another process took the lease ({rundir.reason(e)})"
-                return   # a store that does not answer: tried again at the next renewal
+                return
             self.etag = answer.get("ETag") if isinstance(answer, dict) else self.store.etag(LEASE)
+            self._renewed = time.monotonic()
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(LEASE_RENEW_SECONDS):
@@ -311,7 +336,13 @@ class Lease:
                 pass
 
     def check(self) -> None:
-        """Before a commit: raise RunDirBusy when the lease was lost."""
+        """Before a commit: raise RunDirBusy when the lease was lost, or not renewed for so
+        long that another process may have taken it."""
+        if not self.lost and self.etag is not None:
+            unrenewed = time.monotonic() - self._renewed
+            if unrenewed > LEASE_TRUST_SECONDS:
+                self.lost = (f"the lease was not renewed for {unrenewed:.0f} s (the store did not take it), and "
+                             f"another process may take it after {LEASE_SECONDS:.0f} s")
         if self.lost:
             raise RunDirBusy(f"{self.store.url}: {self.lost}; this process commits nothing more")
 
@@ -330,6 +361,16 @@ class Lease:
 
 
 _HELD: set[str] = set()   # the holders of the leases this process holds
+
+
+def _machine() -> str:
+    """This boot of this machine and this process's pid namespace: two processes with the same
+    value see each other's pids (containers sharing a host name may not)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:   # not Linux: the host name alone, as before
+        return ""
 
 
 def _alive(pid) -> bool:
@@ -368,6 +409,7 @@ class Mirror:
         self.stage = Path(stage)
         self.log = log
         self.lease = Lease(self.store, log)
+        self.lock = RunLock(self.stage)          # the stage's, from the pull on (RunDir takes it over)
         self.committed: Optional[int] = None     # the newest step the store holds as committed
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._push: Optional[concurrent.futures.Future] = None
@@ -384,11 +426,21 @@ class Mirror:
             self.stage.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise rundir.io_error("cannot create the stage", self.stage, e, None) from None
-        self.lease.acquire()
+        self.lock.acquire()   # before the pull moves anything in the stage
+        try:
+            self.lease.acquire()
+        except CheckpointError:
+            self.lock.release()
+            raise
+        except Exception as e:   # noqa: BLE001 - refused writes, a store gone since check_access
+            self.lock.release()
+            raise CheckpointError(f"{self.url}: cannot take the run's lease ({rundir.reason(e)}); the credentials "
+                                  "must be allowed to write there") from None
         try:
             self.pull()
         except BaseException:
             self.lease.release()
+            self.lock.release()
             raise
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fractus-push")
         return self
@@ -483,6 +535,11 @@ class Mirror:
         step_dir = self.stage / CHECKPOINTS / str(step)
         files = _step_files(step_dir)
         names = sorted(files)
+        if self.store.exists(CHECKPOINTS, str(step), COMMITTED):
+            # an older save of this step (a resume rejected it and fell back): retired before
+            # any file of the new one lands over it
+            self.lease.check()
+            self._retire(step)
         self.store.put([step_dir / n for n in names], [f"{CHECKPOINTS}/{step}/{n}" for n in names])
         self._upload_logs()
         self.lease.check()
@@ -490,7 +547,8 @@ class Mirror:
         self.committed = step
         if (self.stage / MANIFEST).is_file():
             self.store.write((self.stage / MANIFEST).read_bytes(), MANIFEST)
-        self._remove_gone(set(store_steps(self.store)))
+        self.lease.check()
+        self._remove_gone(set(store_steps(self.store)) - {step})
 
     def _upload_logs(self) -> None:
         """The logs whose size changed since their last upload, each whole."""
@@ -506,14 +564,20 @@ class Mirror:
         local = self.stage / CHECKPOINTS
         held = {int(p.name) for p in local.iterdir() if p.name.isdigit()} if local.is_dir() else set()
         for step in sorted(in_store - held):
-            prefix = f"{CHECKPOINTS}/{step}"
+            self._retire(step)
+
+    def _retire(self, step: int) -> None:
+        """A store step out of the run: its commit removed first, then its files, copied to
+        URL/rejected/<step> first when the stage rejected it."""
+        prefix = f"{CHECKPOINTS}/{step}"
+        if self.store.exists(prefix, COMMITTED):
             self.store.fs.rm(self.store.path(prefix, COMMITTED))
-            if (self.stage / REJECTED / str(step)).exists():
-                files = self.store.files(prefix)
-                for n in files:
-                    self.store.fs.copy(self.store.path(prefix, n), self.store.path(REJECTED, str(step), n))
-                self.log(f"note: moved the rejected {self.store.url_of(prefix)} to {self.store.url_of(REJECTED, str(step))}")
-            self.store.remove(prefix)
+        if (self.stage / REJECTED / str(step)).exists():
+            files = self.store.files(prefix)
+            for n in files:
+                self.store.fs.copy(self.store.path(prefix, n), self.store.path(REJECTED, str(step), n))
+            self.log(f"note: moved the rejected {self.store.url_of(prefix)} to {self.store.url_of(REJECTED, str(step))}")
+        self.store.remove(prefix)
 
     # -- end
 
@@ -535,6 +599,7 @@ class Mirror:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self.lease.release()
+            self.lock.release()
 
 
 def store_steps(store: Store) -> dict[int, Optional[dict]]:
@@ -559,6 +624,12 @@ def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path
     log(f"pulling step {step} ({size / 1e6:.1f} MB) from {store.url_of(CHECKPOINTS, str(step))}")
     names = sorted(files)
     store.get([f"{CHECKPOINTS}/{step}/{n}" for n in names], [tmp / n for n in names])
+    got = _step_files(tmp)
+    if got != files:
+        wrong = sorted(n for n in set(files) | set(got) if got.get(n) != files.get(n))
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{store.url_of(CHECKPOINTS, str(step))} does not hold the files its {COMMITTED} "
+                              f"names ({len(wrong)} differ, e.g. {wrong[0]}): the store changed under it")
     try:
         os.replace(tmp, dst)
     except OSError:
@@ -585,7 +656,10 @@ def readable(value: str, step: Optional[int] = None, log: Log = print) -> str:
     m = _STEP_URL.match(url)
     if m:
         url, named = m.group(1), int(m.group(2))
-    src = Store(url)
+    try:
+        src = Store(url)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     src.check_access()
     try:
         steps = {s: r for s, r in store_steps(src).items() if r is not None}
@@ -629,6 +703,7 @@ def new_run(value: str, log: Log = print) -> Iterator[str]:
         try:
             if mirror.committed is not None:
                 raise CheckpointError(f"{mirror.url} holds a run already (step {mirror.committed}): give a new path")
+            mirror.lock.release()   # the command locks the (private) stage as its run directory
             yield str(mirror.stage)
             checkpoints = mirror.stage / CHECKPOINTS
             for step in sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()):
