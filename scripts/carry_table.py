@@ -189,7 +189,7 @@ def print_timed(args, base, base_line, out) -> None:
           "| speech: unique ids / bytes (decode) |")
     print("|---|---|---|---|---|---|---|")
     for r in out:
-        mode = "window {}".format(r["speech_mode"]["window"]) if r["speech_mode"]["mode"] == "window" else "step"
+        mode = r["speech_mode"]["mode"] + (f" {r['speech_mode']['window']}" if r["speech_mode"].get("window") else "")
         print(f"| {r['row']} | {r['steps']} | {r['ids_per_s']:.0f} | {r['val_bpb']:.3f} | {r['val_bpb_warm']:.3f} "
               f"| {r['val_bpb_no_carry']:.3f} | {r['speech_unique_ids']} / {r['speech_unique_bytes']} ({mode}) |")
     b = f"{base_line['bpb']:.3f}"

@@ -181,16 +181,35 @@ def test_the_lease_admits_one_writer(bucket, monkeypatch):
     third.release()
 
 
-@pytest.mark.parametrize("ignored", ["mode", "IfMatch"])
-def test_a_store_that_ignores_conditional_writes_is_refused(ignored, bucket, monkeypatch):
+def _ignoring(real, condition):
+    def write(data, *parts, **conditions):
+        return real(data, *parts, **{k: v for k, v in conditions.items() if k != condition})
+    return write
+
+
+def _refusing_if_match(real):
+    def write(data, *parts, **conditions):
+        if "IfMatch" in conditions:
+            raise OSError(95, "Not Implemented")
+        return real(data, *parts, **conditions)
+    return write
+
+
+@pytest.mark.parametrize("store_kind, words", [
+    ("ignores If-None-Match", r"ignores conditional writes \(If-None-Match\)"),
+    ("ignores If-Match", r"ignores conditional writes \(If-Match\)"),
+    ("refuses If-Match", r"refuses a PUT naming the object's own ETag \(If-Match: Not Implemented \(ENOTSUP\)\), so the "
+                         r"run's lease could never be renewed"),
+])
+def test_a_store_without_conditional_writes_is_refused(store_kind, words, bucket, monkeypatch):
     run = store.Store(f"s3://{bucket}/run")
-    real = run.write
-    monkeypatch.setattr(run, "write", lambda data, *parts, **conditions: real(
-        data, *parts, **{k: v for k, v in conditions.items() if k != ignored}))
-    words = {"mode": "If-None-Match", "IfMatch": "If-Match"}[ignored]
-    with pytest.raises(rundir.CheckpointError, match=f"ignores conditional writes \\({words}\\)"):
+    wrap = {"ignores If-None-Match": lambda w: _ignoring(w, "mode"), "ignores If-Match": lambda w: _ignoring(w, "IfMatch"),
+            "refuses If-Match": _refusing_if_match}[store_kind]
+    monkeypatch.setattr(run, "write", wrap(run.write))
+    with pytest.raises(rundir.CheckpointError, match=words):
         store.Lease(run, print).acquire()
     assert not run.exists(store.LEASE)
+    assert run.files() == {}   # the probe removed
 
 
 def test_a_lease_the_store_refuses_to_write_is_one_line(bucket, monkeypatch, tmp_path, capsys):

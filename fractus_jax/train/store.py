@@ -242,20 +242,39 @@ class Lease:
                           sort_keys=True).encode()
 
     def _check_conditions(self) -> None:
-        """A create-if-absent on an object that exists must fail, and so must a PUT naming an
-        ETag the object does not have; a store (or a client) that lets either through would
-        let two writers hold the lease."""
+        """What the lease needs of the store, tried on a probe object: a create-if-absent on an
+        object that exists fails; a PUT naming an ETag the object does not have fails and
+        leaves it; a PUT naming its own ETag succeeds. A store (or a client) that lets the
+        first two through would let two writers hold the lease; one that refuses the last
+        could never renew it."""
         probe = f".conditional-put-probe-{self.holder}"
+
+        def ignores(condition):
+            return CheckpointError(f"{self.store.url}: this store ignores conditional writes ({condition}), so it "
+                                   "cannot hold the run's lease; use a store that honours them (AWS S3, MinIO, "
+                                   "recent Ceph and R2 do)")
         try:
-            self.store.write(b"1", probe, mode="create")
-            for condition, kwargs in (("If-None-Match", {"mode": "create"}), ("If-Match", {"IfMatch": '"0"'})):
-                try:
-                    self.store.write(b"2", probe, **kwargs)
-                except (FileExistsError, OSError):
-                    continue
-                raise CheckpointError(f"{self.store.url}: this store ignores conditional writes ({condition}), so "
-                                      "it cannot hold the run's lease; use a store that honours them (AWS S3, "
-                                      "MinIO, recent Ceph and R2 do)")
+            answer = self.store.write(b"1", probe, mode="create")
+            try:
+                self.store.write(b"2", probe, mode="create")
+            except FileExistsError:
+                pass
+            else:
+                raise ignores("If-None-Match")
+            try:
+                self.store.write(b"3", probe, IfMatch='"0"')
+            except OSError:
+                pass
+            if self.store.read(probe) != b"1":
+                raise ignores("If-Match")
+            etag = answer.get("ETag") if isinstance(answer, dict) else self.store.etag(probe)
+            try:
+                self.store.write(b"4", probe, IfMatch=etag)
+            except OSError as e:
+                raise CheckpointError(f"{self.store.url}: this store refuses a PUT naming the object's own ETag "
+                                      f"(If-Match: {rundir.reason(e)}), so the run's lease could never be renewed; "
+                                      "use a store that honours conditional writes (AWS S3, MinIO, recent Ceph "
+                                      "and R2 do)") from None
         finally:
             try:
                 self.store.fs.rm(self.store.path(probe))
