@@ -68,7 +68,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, args=()):
+def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, args=(), each=None, env=None):
     """The two processes, started. hooks: {process: dict(offset=, rate=, sigterm_after=)}.
     logs: a directory for their stderr (err0.txt, err1.txt; otherwise pipes, to be read
     while they run). cache: a persistent compilation cache directory that both processes
@@ -76,9 +76,10 @@ def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, ar
     its step in while the other compiles it is unsafe: the first waits in the first
     collective, which gives up after 30 s (Gloo context initialization failed). So a test's
     cache is one that a run of the same command filled for both (`warm_run`), or none.
-    args: more of the trainer's flags, for both."""
-    hooks = hooks or {}
-    env = {**os.environ, "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
+    args: more of the trainer's flags, for both; each: {process: more flags for it alone}.
+    env: the processes' environment (this one's when None)."""
+    hooks, each = hooks or {}, each or {}
+    env = {**(os.environ if env is None else env), "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
     if cache is None:
         env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     else:
@@ -95,15 +96,16 @@ def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, ar
         procs.append(subprocess.Popen(
             [sys.executable, "-c", HOOK.format(**hook), "--no-progress", "--config", "tiny",
              "--workdir", str(workdir), *sets, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-             "--process-id", str(i), "--local-devices", "4", *args],
+             "--process-id", str(i), "--local-devices", "4", *args, *each.get(i, ())],
             cwd=ROOT, env=env, stdout=subprocess.PIPE if logs is None else subprocess.DEVNULL,
             stderr=subprocess.PIPE if logs is None else open(Path(logs) / f"err{i}.txt", "w"), text=True))
     return procs
 
 
-def launch(workdir, corpus_file, overrides, hooks=None, timeout=400, cache=None):
-    """Both processes' stderr; each must exit 0. hooks: {process: dict(offset=, rate=, sigterm_after=)}."""
-    procs = start(workdir, corpus_file, overrides, hooks, cache=cache)
+def launch(workdir, corpus_file, overrides, hooks=None, timeout=400, cache=None, each=None, env=None):
+    """Both processes' stderr; each must exit 0. hooks: {process: dict(offset=, rate=, sigterm_after=)};
+    each, env: as `start`'s."""
+    procs = start(workdir, corpus_file, overrides, hooks, cache=cache, each=each, env=env)
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:

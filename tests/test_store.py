@@ -243,6 +243,39 @@ def test_two_urls_on_one_stage_are_refused_before_the_pull(bucket, tmp_path):
         first.close()
 
 
+def test_a_step_of_several_processes_is_committed_only_when_every_part_is_in_the_store(
+        s3, bucket, tmp_path, monkeypatch):
+    """Process 0 of two uploads its part of a step; while process 1's file is missing from
+    the store, or there at another size, nothing is committed and the upload fails naming
+    process 1 once PARTS_WAIT_SECONDS pass; with it there, the step is committed."""
+    monkeypatch.setattr(store, "PARTS_WAIT_SECONDS", 1.0)
+    monkeypatch.setattr(store, "PARTS_POLL_SECONDS", 0.1)
+    url = f"s3://{bucket}/run"
+    mirror = store.Mirror(url, tmp_path / "stage-0", lambda m: None, index=0, count=2).open()
+    run = store.Store(url)
+    try:
+        step_dir = tmp_path / "stage-0" / store.CHECKPOINTS / "2"
+        step_dir.mkdir(parents=True)
+        (step_dir / "mine").write_bytes(b"0" * 10)
+        parts = {"mine": (10, 0), "theirs": (7, 1)}
+        for theirs in (None, b"1" * 6):   # missing; cut short
+            if theirs is not None:
+                run.write(theirs, store.CHECKPOINTS, "2", "theirs")
+            mirror.push(2, parts)
+            with pytest.raises(rundir.RunDirIOError, match=r"cannot upload step 2 to .*: TimeoutError: process\(es\) 1 "
+                               r"did not upload their files of it within 1 s \(1 missing, e\.g\. theirs\); .* holds no "
+                               r"committed step yet"):
+                mirror.settle()
+            assert store_steps(s3, bucket, "run") == []
+        run.write(b"1" * 7, store.CHECKPOINTS, "2", "theirs")   # process 1's upload, whole
+        mirror.push(2, parts)
+        mirror.settle()
+        assert store_steps(s3, bucket, "run") == [2]
+        assert json.loads(run.read(store.CHECKPOINTS, "2", store.COMMITTED))["files"] == {"mine": 10, "theirs": 7}
+    finally:
+        mirror.close(quiet=True)
+
+
 def test_a_reader_refuses_a_step_whose_files_differ_from_its_commit(s3, bucket, tmp_path, monkeypatch):
     monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
     client = s3.client()
@@ -286,9 +319,9 @@ def test_a_run_with_a_slow_store_stops_committed_before_its_deadline(s3, bucket,
     deadline, and the store holds that step."""
     real = store.Mirror._upload_step
 
-    def slow(self, step):
+    def slow(self, step, parts=None):
         time.sleep(2.0)
-        return real(self, step)
+        return real(self, step, parts)
 
     monkeypatch.setattr(store.Mirror, "_upload_step", slow)
     deadline = time.time() + 45
@@ -310,9 +343,9 @@ def test_a_slow_upload_is_not_pruned_under_it(s3, bucket, corpus_file, tmp_path,
     commits = []
     write_commit = store.write_commit
 
-    def slow(self, step):
+    def slow(self, step, parts=None):
         time.sleep(1.0)
-        return real(self, step)
+        return real(self, step, parts)
 
     def record(s, step, files):
         commits.append((step, files))
@@ -386,10 +419,10 @@ def test_a_store_cut_inside_an_upload_loses_nothing_committed(s3, bucket, straig
     url = f"s3://{bucket}/run"
     real = store.Mirror._upload_step
 
-    def cut_at_4(self, step):
+    def cut_at_4(self, step, parts=None):
         if step == 4:
             relay.cut()
-        return real(self, step)
+        return real(self, step, parts)
 
     monkeypatch.setattr(store.Mirror, "_upload_step", cut_at_4)
     with pytest.raises(rundir.RunDirIOError) as e:

@@ -14,6 +14,12 @@ whose files match their checksums, whose meta reads and whose restored arrays ar
 (`newest_good_step`, `restore_good`), and the manifest is repaired from it. Parameters,
 optimizer moments and the rest are separate items: inference and conversion restore only
 what they need. The lock, the manifest's files and the metrics log are `rundir.py`'s.
+
+A run on object storage trained by several processes (`store.Mirror.parts`) has no directory
+they all see: each writes its own shards into its own stage (Orbax without a primary host,
+each array as zarr chunk files rather than OCDBT, whose files Orbax merges in one shared
+directory), and the checksums record the union of every process's files, exchanged after
+the commit. Orbax restores either layout.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from fractus_jax.train import rundir
 from fractus_jax.train import state as train_state
@@ -108,13 +115,32 @@ def item_checksums(item_dir: Path) -> dict:
             for p in sorted(item_dir.rglob("*")) if p.is_file()}
 
 
-def write_checksums(step_dir: Path, finite: dict) -> None:
+def write_checksums(step_dir: Path, finite: dict, items: Optional[dict] = None) -> None:
     """The step's record, after its commit: each item's files and their sha256 (read back at
-    about 1.7 GB/s here), and whether params and opt_state were finite when saved."""
+    about 1.7 GB/s here; `items` when known already), and whether params and opt_state were
+    finite when saved."""
     record = {"format": 1, "algorithm": "sha256 of each file",
-              "items": {item: item_checksums(step_dir / item) for item in ITEMS},
+              "items": items if items is not None else {item: item_checksums(step_dir / item) for item in ITEMS},
               "finite": {k: bool(v) for k, v in finite.items()}}
     write_json_atomic(step_dir / CHECKSUMS, record)
+
+
+def gather_step_files(step_dir: Path) -> dict[str, tuple[int, str, int]]:
+    """{path in the step: (size, sha256, the lowest process holding it)} of every process's
+    files of a step each process saved into its own directory (collective: every process
+    calls it, and gets the same answer)."""
+    mine = {str(p.relative_to(step_dir)): [p.stat().st_size, _file_sha256(p)]
+            for p in sorted(step_dir.rglob("*")) if p.is_file()}
+    blob = np.frombuffer(json.dumps(mine, sort_keys=True).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.array([blob.size], np.int64))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:blob.size] = blob
+    blobs = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    union: dict[str, tuple[int, str, int]] = {}
+    for process, (row, n) in enumerate(zip(blobs, lengths)):
+        for name, (size, sha) in json.loads(row[:n].tobytes()).items():
+            union.setdefault(name, (int(size), sha, process))
+    return union
 
 
 def read_checksums(step_dir: Path) -> Optional[dict]:
@@ -179,18 +205,36 @@ def _leaf_list(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-class _ReadOnlyNotice(logging.Filter):
-    """Drops Orbax's warning that a read-only manager is read-only (it logs one for every
-    manager built to read, which every load does); other absl messages pass."""
+class _NoticeFilter(logging.Filter):
+    """Drops Orbax's warnings that restate a choice the caller made on purpose; other absl
+    messages pass."""
+
+    def __init__(self, *starts: str):
+        super().__init__()
+        self.starts = starts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Given directory is read only")
+        return not str(record.msg).startswith(self.starts)
 
 
-_READ_ONLY_NOTICE = _ReadOnlyNotice()
+# logged for every manager built to read, which every load does
+_READ_ONLY_NOTICE = _NoticeFilter("Given directory is read only")
+# logged nine times per save without a primary host and without OCDBT (each process its own part)
+_PARTS_NOTICE = _NoticeFilter("Global object size logging disabled", "[process=%s][thread=%s] Skipping merge of OCDBT")
 
 
-def _manager(workdir, keep: int = 3, read_only: bool = False, asynchronous: bool = False) -> ocp.CheckpointManager:
+def _manager(workdir, keep: int = 3, read_only: bool = False, asynchronous: bool = False,
+             parts: bool = False) -> ocp.CheckpointManager:
+    directory = Path(workdir).resolve() / CHECKPOINTS
+    if parts:   # each process its own directory: no primary host, no OCDBT (see the module's words)
+        logging.getLogger("absl").addFilter(_PARTS_NOTICE)
+        each = ocp.options.MultiprocessingOptions(primary_host=None)
+        handlers = {item: ocp.StandardCheckpointHandler(use_ocdbt=False, multiprocessing_options=each)
+                    for item in ITEMS if item != "meta"}
+        handlers["meta"] = ocp.JsonCheckpointHandler(multiprocessing_options=each)
+        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, multiprocessing_options=each,
+                                               enable_async_checkpointing=asynchronous)
+        return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
     if read_only:
         logging.getLogger("absl").addFilter(_READ_ONLY_NOTICE)   # once: a filter is added once
         # The values Orbax would force for a read-only manager, given up front: it logs a
@@ -201,7 +245,7 @@ def _manager(workdir, keep: int = 3, read_only: bool = False, asynchronous: bool
         # Retention is RunCheckpointer._prune's: Orbax would delete the newest good step.
         options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                enable_async_checkpointing=asynchronous)
-    return ocp.CheckpointManager(Path(workdir).resolve() / CHECKPOINTS, options=options, item_names=ITEMS)
+    return ocp.CheckpointManager(directory, options=options, item_names=ITEMS)
 
 
 class RunCheckpointer:
@@ -222,10 +266,12 @@ class RunCheckpointer:
         self.keep = keep
         # A run on object storage (`store.Mirror`): each committed step is pushed to the store.
         self.mirror = mirror
+        # several processes, each with its own stage: each saves its own part of a step
+        self.parts = mirror is not None and mirror.parts
         self.read_only = read_only
         self.log = log or _stderr
         try:
-            self.manager = _manager(workdir, keep, read_only, asynchronous)
+            self.manager = _manager(workdir, keep, read_only, asynchronous, self.parts)
         except Exception as e:   # noqa: BLE001 - Orbax and the OS raise many kinds
             raise rundir.io_error("cannot open the checkpoints of", self.workdir, e, None) from None
         self._pending = None      # (meta, finite flags) of the save being written
@@ -326,8 +372,16 @@ class RunCheckpointer:
             # retention or this step's manifest changes them
             self.mirror.settle()
         lead = jax.process_index() == 0
+        parts = None
         try:
-            if lead:
+            if self.parts:   # every process's files, recorded in each stage
+                union = gather_step_files(self.step_dir(step))
+                write_checksums(self.step_dir(step), finite, {
+                    item: {n[len(item) + 1:]: sha for n, (_, sha, _) in union.items() if n.startswith(item + "/")}
+                    for item in ITEMS})
+                parts = {n: (size, owner) for n, (size, _, owner) in union.items()}
+                parts[CHECKSUMS] = ((self.step_dir(step) / CHECKSUMS).stat().st_size, 0)
+            elif lead:
                 write_checksums(self.step_dir(step), finite)
             try:
                 self._prune()
@@ -341,7 +395,7 @@ class RunCheckpointer:
         # The whole save: the copy off the devices, the write, the checksums, the manifest.
         self.commits.add(time.time() - self._save_started)
         if self.mirror is not None:
-            self.mirror.push(step)   # in the background; the next save waits for it
+            self.mirror.push(step, parts)   # in the background; the next save waits for it
 
     def _is_good(self, step: int) -> bool:
         if step not in self._good:

@@ -412,7 +412,9 @@ class RunDir:
     """A run directory opened for writing: created, locked, cleaned of a crash's leftovers.
 
     `lead` is the process that writes the files (process 0 of a multi-host run: the others
-    take no lock and touch nothing here). Each record goes to the metrics log and, with
+    take no lock and touch nothing here, unless each has a stage of its own: a multi-process
+    run on object storage, whose every process keeps its stage as process 0 does, while the
+    logs stay process 0's). Each record goes to the metrics log and, with
     `tensorboard`, to the event files. `close` closes what the run registered (its metrics
     log, event files and checkpointer, whose close commits a save in flight, then the mirror
     of a run on object storage, which uploads it) and releases the lock.
@@ -422,6 +424,7 @@ class RunDir:
         self.workdir = Path(workdir)
         self.mirror = mirror       # a run on object storage: `store.Mirror`, closed last
         self.lead = lead
+        self.own = lead or (mirror is not None and mirror.parts)   # this process keeps the directory
         self.log = log
         self.tensorboard_on = tensorboard
         # a staged run's lock is its mirror's, taken before the pull filled the stage
@@ -437,7 +440,7 @@ class RunDir:
             self.workdir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise io_error("cannot create", self.workdir, e, None) from None
-        if self.lead:
+        if self.own:
             self.lock.acquire()
             try:
                 remove_leftovers(self.workdir, self.log)
@@ -475,7 +478,7 @@ class RunDir:
     def resumed(self, meta: dict, rejected: Iterable[tuple[int, str]] = ()) -> None:
         """After the restore of meta's step: rejected newer steps moved aside, the manifest
         repaired, the log cut to the step."""
-        if not self.lead:
+        if not self.own:
             return
         step = int(meta["step"])
         try:
@@ -483,6 +486,8 @@ class RunDir:
             repair_manifest(self.workdir, meta, self.log)
         except OSError as e:
             raise io_error("cannot write", self.workdir / MANIFEST, e, step) from None
+        if self.mirror is not None:
+            self.mirror.resumed()   # the store's copies of the rejected steps moved aside too
         self.start_metrics(step)
 
     def close(self, quiet: bool = False) -> None:

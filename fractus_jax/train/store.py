@@ -23,11 +23,19 @@ whole by one PUT. The next save, and the end of the run, wait for the upload; an
 failed stops the run with the step the store holds. The deadline's margin counts the upload
 (`Mirror.push_seconds`).
 
+Several processes (hosts that share no disk) each stage the run in STAGE/process-<k> and
+write there only their own shards (`checkpoint.RunCheckpointer` in parts mode: each array as
+zarr chunk files, since OCDBT merges every process's files in one directory). After a save
+the processes exchange their files' names, sizes and sha256; each file goes to the store
+from the lowest process that holds it, every process uploading its share; process 0, which
+alone holds the lease and writes the logs, commits the step once the store holds every file
+of it (`PARTS_WAIT_SECONDS`). At the start each process pulls every committed step whole:
+Orbax then restores from each stage as from a shared disk.
+
 Why a stage rather than Orbax writing to the bucket: orbax-checkpoint 0.12.8 hands array
 writes to tensorstore's own driver for gs:// only, and refuses an s3:// directory ("Checkpoint
-path should be absolute. Got s3:/..."). Each process of a multi-process run would need its
-own stage and a shared commit: this version serves one process (`open_mirror` refuses more). The library is fsspec's (s3fs for
-s3://); credentials and the endpoint come from the standard variables (AWS_ACCESS_KEY_ID,
+path should be absolute. Got s3:/..."). The library is fsspec's (s3fs for s3://);
+credentials and the endpoint come from the standard variables (AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...), as boto3 reads them.
 """
 from __future__ import annotations
@@ -50,6 +58,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import jax
+from jax.experimental import multihost_utils
 
 from fractus_jax.train import rundir
 from fractus_jax.train.prepare import cache_dir
@@ -70,6 +79,10 @@ LEASE_TRUST_SECONDS = LEASE_SECONDS - 2 * LEASE_RENEW_SECONDS
 # uplink to a bucket in another region is often no faster).
 UPLOAD_BYTES_PER_SECOND = 125e6
 RECENT_PUSHES = 5
+# Process 0 commits a step of a multi-process run once the store holds every process's files
+# of it: it waits this long after its own upload ended (a dead peer ends the run sooner).
+PARTS_WAIT_SECONDS = 600.0
+PARTS_POLL_SECONDS = 0.5
 
 # scheme -> (the module fsspec needs for it, the extra that installs it); None: not served yet
 SCHEMES = {"s3": ("s3fs", "s3"), "gs": None}
@@ -420,13 +433,19 @@ def _log_files(stage: Path) -> list[str]:
 class Mirror:
     """The store's side of a run trained in a local stage: `open` (lease, pull), `push(step)`
     after each local commit (in the background), `settle` (wait for it; raise what failed),
-    `close` (logs, lease released)."""
+    `close` (logs, lease released).
 
-    def __init__(self, url: str, stage, log: Log = print):
+    In a run of several processes (`count` > 1), each has its mirror and stage; process 0
+    (`lead`) holds the lease, uploads the logs and commits; the others pull, and upload their
+    share of each step's files."""
+
+    def __init__(self, url: str, stage, log: Log = print, index: int = 0, count: int = 1):
         self.store = Store(url)
         self.url = self.store.url
         self.stage = Path(stage)
         self.log = log
+        self.index, self.count = index, count
+        self.lead = index == 0
         self.lease = Lease(self.store, log)
         self.lock = RunLock(self.stage)          # the stage's, from the pull on (RunDir takes it over)
         self.committed: Optional[int] = None     # the newest step the store holds as committed
@@ -447,7 +466,8 @@ class Mirror:
             raise rundir.io_error("cannot create the stage", self.stage, e, None) from None
         self.lock.acquire()   # before the pull moves anything in the stage
         try:
-            self.lease.acquire()
+            if self.lead:
+                self.lease.acquire()
         except CheckpointError:
             self.lock.release()
             raise
@@ -474,36 +494,62 @@ class Mirror:
         except Exception as e:   # noqa: BLE001 - the store or the disk
             raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {rundir.reason(e)}") from None
 
+    @property
+    def parts(self) -> bool:
+        """Each process stages and uploads its own part of each step."""
+        return self.count > 1
+
     def _pull(self) -> None:
         steps = store_steps(self.store)
         for step in sorted(s for s, record in steps.items() if record is None):
-            self.store.remove(CHECKPOINTS, str(step))
-            self.log(f"note: removed {self.store.url_of(CHECKPOINTS, str(step))}, left by an upload that did "
-                     "not finish")
+            if self.lead:   # the lease holder's to clean; the others only read what is committed
+                self.store.remove(CHECKPOINTS, str(step))
+                self.log(f"note: removed {self.store.url_of(CHECKPOINTS, str(step))}, left by an upload that did "
+                         "not finish")
         steps = {s: r for s, r in steps.items() if r is not None}
         local = self.stage / CHECKPOINTS
+        parts = {}   # step -> this stage's part of it (a process's own files of a step it saved)
         if local.is_dir():
             for p in sorted(local.iterdir()):
                 if not p.name.isdigit():
                     continue
                 record = steps.get(int(p.name))
-                if record is None or _step_files(p) != record.get("files"):
+                held = _step_files(p)
+                if record is not None and held != record.get("files") and _is_part(held, record.get("files")):
+                    parts[int(p.name)] = p
+                elif record is None or held != record.get("files"):
                     moved = rundir.move_aside(p, self.stage / UNPUSHED)
                     self.log(f"note: moved {p} to {moved}: {self.url} does not hold it as committed")
         for step in sorted(steps):
-            if not (local / str(step)).exists():
-                fetch_step(self.store, step, steps[step]["files"], local, self.log)
+            if not (local / str(step)).exists() or step in parts:
+                fetch_step(self.store, step, steps[step]["files"], local, self.log, have=parts.get(step))
         for name in (METRICS, MANIFEST):
             path = self.stage / name
             if path.exists():
                 rundir.move_aside(path, self.stage / UNPUSHED)
         if (self.stage / TENSORBOARD).exists():
             rundir.move_aside(self.stage / TENSORBOARD, self.stage / UNPUSHED)
-        logs = [n for n in self.store.files() if n in (METRICS, MANIFEST) or n.startswith(TENSORBOARD + "/")]
+        logs = [n for n in self.store.files() if n == MANIFEST or (
+            self.lead and (n == METRICS or n.startswith(TENSORBOARD + "/")))]   # the logs are process 0's
         self.store.get(logs, [self.stage / n for n in logs])
         self._sizes = {n: (self.stage / n).stat().st_size for n in logs}
         self.committed = max(steps) if steps else None
-        self._remove_gone(set(steps))
+        if self.lead:
+            self._remove_gone(set(steps))
+
+    def resumed(self) -> None:
+        """After a resume moved rejected steps aside in the stage: the store's copies moved to
+        URL/rejected/ now, before any process uploads a step that may take their numbers."""
+        if not self.lead:
+            return
+        try:
+            self.lease.check()
+            self._remove_gone(set(store_steps(self.store)))
+        except RunDirBusy:
+            raise
+        except Exception as e:   # noqa: BLE001 - the store or the network
+            raise rundir.RunDirIOError(f"cannot move the rejected steps aside in {self.url}: {rundir.reason(e)}; "
+                                       f"{self._store_words()}") from None
 
     def expect(self, whole_bytes: int) -> None:
         """Uploads will be of a state of this many bytes: until one is timed, the margin's guess."""
@@ -512,11 +558,14 @@ class Mirror:
 
     # -- after each commit
 
-    def push(self, step: int) -> None:
-        """Upload a step the stage committed, in the background (one at a time)."""
+    def push(self, step: int, files: Optional[dict[str, tuple[int, int]]] = None) -> None:
+        """Upload a step the stage committed, in the background (one at a time). files: of a
+        multi-process run's step, {name: (size, the process that uploads it)} of every
+        process's files (`checkpoint.RunCheckpointer`); None: the stage's step whole."""
         self.settle()
-        self.lease.check()
-        self._push = self._pool.submit(self._upload, step, time.time())
+        if self.lead:
+            self.lease.check()
+        self._push = self._pool.submit(self._upload, step, time.time(), files)
 
     def settle(self) -> None:
         """Wait for the upload in flight; raise (RunDirIOError) what made it fail."""
@@ -534,9 +583,9 @@ class Mirror:
         seconds = max(self._pushes) if self._pushes else self._guess
         return seconds * (2 if self.pushing() else 1)
 
-    def _upload(self, step: int, started: float) -> None:
+    def _upload(self, step: int, started: float, files) -> None:
         try:
-            self._upload_step(step)
+            self._upload_step(step, files)
         except RunDirBusy:
             raise
         except Exception as e:   # noqa: BLE001 - the store, the network, the disk
@@ -550,17 +599,25 @@ class Mirror:
             return f"{self.url} holds no committed step yet"
         return f"{self.url} holds step {self.committed} (the same command resumes from it)"
 
-    def _upload_step(self, step: int) -> None:
+    def _upload_step(self, step: int, parts=None) -> None:
         step_dir = self.stage / CHECKPOINTS / str(step)
-        files = _step_files(step_dir)
-        names = sorted(files)
-        if self.store.exists(CHECKPOINTS, str(step), COMMITTED):
+        if parts is None:
+            files = _step_files(step_dir)
+            names = sorted(files)
+        else:
+            files = {n: size for n, (size, _) in parts.items()}
+            names = sorted(n for n, (_, owner) in parts.items() if owner == self.index)
+        if self.lead and self.store.exists(CHECKPOINTS, str(step), COMMITTED):
             # an older save of this step (a resume rejected it and fell back): retired before
-            # any file of the new one lands over it
+            # any file of the new one lands over it (a multi-process run's, at the resume)
             self.lease.check()
             self._retire(step)
         self.store.put([step_dir / n for n in names], [f"{CHECKPOINTS}/{step}/{n}" for n in names])
+        if not self.lead:
+            return
         self._upload_logs()
+        if parts is not None:
+            self._await_parts(step, parts)
         self.lease.check()
         write_commit(self.store, step, files)
         self.committed = step
@@ -568,6 +625,21 @@ class Mirror:
             self.store.write((self.stage / MANIFEST).read_bytes(), MANIFEST)
         self.lease.check()
         self._remove_gone(set(store_steps(self.store)) - {step})
+
+    def _await_parts(self, step: int, parts: dict[str, tuple[int, int]]) -> None:
+        """Until the store holds every process's files of the step, each at its size; raise
+        (naming the processes behind) after PARTS_WAIT_SECONDS."""
+        deadline = time.monotonic() + PARTS_WAIT_SECONDS
+        while True:
+            held = self.store.files(CHECKPOINTS, str(step))
+            missing = sorted(n for n, (size, _) in parts.items() if held.get(n) != size)
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                behind = sorted({parts[n][1] for n in missing})
+                raise TimeoutError(f"process(es) {', '.join(map(str, behind))} did not upload their files of it "
+                                   f"within {PARTS_WAIT_SECONDS:.0f} s ({len(missing)} missing, e.g. {missing[0]})")
+            time.sleep(PARTS_POLL_SECONDS)
 
     def _upload_logs(self) -> None:
         """The logs whose size changed since their last upload, each whole."""
@@ -607,7 +679,7 @@ class Mirror:
         self._closed = True
         try:
             self.settle()
-            if not self.lease.lost:
+            if self.lead and not self.lease.lost:
                 self._upload_logs()
         except Exception as e:   # noqa: BLE001
             if not quiet:
@@ -633,15 +705,33 @@ def store_steps(store: Store) -> dict[int, Optional[dict]]:
     return steps
 
 
-def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path, log: Log) -> Path:
+def _is_part(held: dict[str, int], files: Optional[dict[str, int]]) -> bool:
+    """held is some of files, each at its size: a process's own part of a multi-process step."""
+    return bool(held) and files is not None and all(files.get(n) == size for n, size in held.items())
+
+
+def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path, log: Log,
+               have: Optional[Path] = None) -> Path:
     """A committed step's files into checkpoints/<step>, through a temporary directory renamed
-    when whole (a fetch cut short leaves a leftover that is removed, never a step)."""
+    when whole (a fetch cut short leaves a leftover that is removed, never a step). have: a
+    directory holding some of the files already (this process's part of the step, in its
+    place), taken from there rather than fetched; the checksums judge them at the restore."""
     dst = checkpoints / str(step)
     tmp = checkpoints / f"{step}{PULL_TMP}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    t0, size = time.time(), sum(files.values())
-    log(f"pulling step {step} ({size / 1e6:.1f} MB) from {store.url_of(CHECKPOINTS, str(step))}")
-    names = sorted(files)
+    t0 = time.time()
+    kept = {}
+    if have is not None:
+        for n, size in _step_files(have).items():
+            if files.get(n) == size:
+                (tmp / n).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(have / n, tmp / n)
+                kept[n] = size
+        shutil.rmtree(have)
+    names = sorted(set(files) - set(kept))
+    size = sum(files[n] for n in names)
+    log(f"pulling step {step} ({size / 1e6:.1f} MB) from {store.url_of(CHECKPOINTS, str(step))}"
+        + (f"; {len(kept)} of its files are here already" if kept else ""))
     store.get([f"{CHECKPOINTS}/{step}/{n}" for n in names], [tmp / n for n in names])
     got = _step_files(tmp)
     if got != files:
@@ -740,8 +830,13 @@ def write_commit(store: Store, step: int, files: dict[str, int]) -> None:
 
 
 def open_mirror(url: str, stage=None, log: Log = print) -> Mirror:
-    """The mirror of a URL's run, lease taken and stage pulled (CheckpointError when it cannot)."""
-    if jax.process_count() > 1:
-        raise CheckpointError(f"{url}: a run on object storage is trained by one process in this version "
-                              f"({jax.process_count()} here); several hosts need a run directory they all mount")
-    return Mirror(url, stage if stage is not None else default_stage(url), log).open()
+    """The mirror of a URL's run, lease taken and stage pulled (CheckpointError when it cannot).
+    In a run of several processes each stages in STAGE/process-<k>, and none trains before
+    every stage is pulled."""
+    stage = Path(stage if stage is not None else default_stage(url))
+    index, count = jax.process_index(), jax.process_count()
+    if count == 1:
+        return Mirror(url, stage, log).open()
+    mirror = Mirror(url, stage / f"process-{index}", log, index, count).open()
+    multihost_utils.sync_global_devices("fractus_jax: every stage pulled")
+    return mirror

@@ -1,0 +1,83 @@
+"""Two processes that share no local directory train a run on object storage (moto's S3
+server), save it and resume it on new stages, as on a new pod: each process uploads its own
+shards, process 0 commits, and the run ends bit for bit where the same run on a shared disk
+ends. One process then resumes it, and two resume that process's step."""
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from fractus_jax.train import store
+from engine_testing import SUBPROCESS_XLA_FLAGS
+from s3_testing import S3Server, child_env, set_env
+from test_multihost_faults import ROOT, RUN, STRAIGHT, launch, restore_state
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    yield server
+    server.close()
+
+
+def stages(root, pod):
+    """Each process's --stage on its own root: nothing local is shared."""
+    return {i: ("--stage", str(root / f"{pod}-host{i}")) for i in range(2)}
+
+
+def test_two_processes_without_a_shared_disk_train_save_and_resume(s3, corpus_file, tmp_path, monkeypatch):
+    bucket = s3.bucket("hosts")
+    url = f"s3://{bucket}/run"
+    env = child_env(s3.env())
+
+    # Pod A trains to step 4 (saves at 2 and 4): each process stages its own part.
+    errs = launch(url, corpus_file, ["max_steps=4", "save_every=2"], each=stages(tmp_path, "a"), env=env)
+    keys = s3.keys(bucket, "run/")
+    committed = sorted(int(k.split("/")[2]) for k in keys if k.endswith("/" + store.COMMITTED))
+    assert committed == [2, 4], keys
+    assert "run/lease.json" not in keys and "run/metrics.jsonl" in keys
+    record = json.loads(s3.read(bucket, "run/checkpoints/4/committed.json"))["files"]
+    own = [{n for n in record if n.startswith(f"params/array_metadatas/process_{i}")} for i in range(2)]
+    assert all(own), sorted(record)   # both processes' shards are in the store's step
+    parts = [set(store._step_files(tmp_path / f"a-host{i}" / f"process-{i}" / "checkpoints" / "4")) for i in range(2)]
+    assert parts[0] != parts[1] and not parts[0] >= set(record) - {"checksums.json"}, parts   # neither holds it all
+    assert all(p <= set(record) for p in parts)
+
+    # Pod B: process 0 on its old stage (its part of step 4 there), process 1 on a new one;
+    # the same command resumes at step 4 and trains to 6.
+    each = {0: stages(tmp_path, "a")[0], 1: stages(tmp_path, "b")[1]}
+    errs = launch(url, corpus_file, STRAIGHT, each=each, env=env)
+    for i, err in enumerate(errs):
+        assert f"process-{i} at step 4, lane offset" in err, err[-3000:]
+    assert "files are here already" in errs[0], errs[0][-3000:]
+
+    # The same run on one shared disk, never interrupted.
+    shared = tmp_path / "shared"
+    launch(shared, corpus_file, STRAIGHT, env=env)
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    set_env(monkeypatch, s3.env())
+    read = store.readable(url, log=lambda m: None)
+    (a, meta_a), (b, meta_b) = restore_state(read), restore_state(shared)
+    assert meta_a["step"] == meta_b["step"] == 6 and meta_a["start_token_next"] == meta_b["start_token_next"]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    # Pod C has one host: one process resumes the two's step 6 and saves step 8 (one
+    # process's layout); then two processes, on new stages, resume from that to step 10.
+    one = subprocess.run(
+        [sys.executable, "-m", "fractus_jax.train", "--no-progress", "--config", "tiny", "--workdir", url,
+         "--stage", str(tmp_path / "c-host0"), "--local-devices", "8",
+         *[f"--set={o}" for o in [f"corpus={corpus_file}", *RUN, "max_steps=8", "save_every=2"]]],
+        cwd=ROOT, env={**env, "XLA_FLAGS": SUBPROCESS_XLA_FLAGS, "JAX_ENABLE_COMPILATION_CACHE": "false"},
+        capture_output=True, text=True, timeout=400)
+    assert one.returncode == 0 and "at step 6, lane offset" in one.stderr, one.stderr[-3000:]
+    errs = launch(url, corpus_file, ["max_steps=10", "save_every=2"], each=stages(tmp_path, "d"), env=env)
+    for i, err in enumerate(errs):
+        assert f"process-{i} at step 8, lane offset" in err, err[-3000:]
+    keys = s3.keys(bucket, "run/")
+    assert max(int(k.split("/")[2]) for k in keys if k.endswith("/" + store.COMMITTED)) == 10, keys
