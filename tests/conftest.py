@@ -49,6 +49,9 @@ os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("FRACTUS_TEST_SUBPROCESS_XLA_FLAGS",
                       " ".join(f for f in _flags.split() if not f.startswith(DEVICE_COUNT_FLAG)))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# gs:// runs are tested against fake-gcs-server (gcs_testing.py), which does not serve the gRPC
+# control API that gcsfs asks, at import, whether a bucket is zonal: regular buckets only.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 # A persistent compilation cache, read and written by the test processes (both pytest-xdist
 # workers) and the CLI subprocesses they start (they inherit it through the environment): a
 # program that several tests compile (the same step, another run directory, another worker)

@@ -138,6 +138,10 @@ class Relay:
                     pass
 
     def cut(self) -> None:
+        try:   # wakes the accepting thread: a close alone leaves it listening until one more connection
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             conns, self._conns = self._conns, []
@@ -149,15 +153,19 @@ class Relay:
                 pass
 
 
+# the variables through which the stores' clients find their credentials and endpoints
+STORE_VARIABLES = ("AWS_", "GOOGLE_", "STORAGE_EMULATOR_HOST")
+
+
 def set_env(monkeypatch, env: dict) -> None:
-    """This process's AWS_* variables: env's, and no other (a profile or endpoint of the
-    machine's own must not reach the test server's clients)."""
-    for k in [k for k in os.environ if k.startswith("AWS_")]:
+    """This process's store variables (AWS_*, GOOGLE_*, STORAGE_EMULATOR_HOST): env's, and no
+    other (a profile or endpoint of the machine's own must not reach the test server's clients)."""
+    for k in [k for k in os.environ if k.startswith(STORE_VARIABLES)]:
         monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
 
 
 def child_env(env: dict) -> dict:
-    """A child process's environment: this one's, its AWS_* variables replaced by env's."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, **env}
+    """A child process's environment: this one's, its store variables replaced by env's."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(STORE_VARIABLES)}, **env}

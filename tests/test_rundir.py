@@ -240,18 +240,18 @@ def test_the_event_records_are_tensorboards_protobufs_byte_for_byte():
 
 
 @pytest.mark.parametrize("command, argv", [
-    ("train", ["--config", "tiny", "--workdir", "gs://runs/tiny"]),
+    ("train", ["--config", "tiny", "--workdir", "az://runs/tiny"]),
     ("train", ["--config", "tiny", "--workdir", "ftp://runs/tiny"]),
-    ("eval", ["--ckpt", "gs://bucket/run"]),
-    ("generate", ["--ckpt", "gs://runs/tiny", "--prompt", "a"]),
-    ("grow", ["--ckpt", "runs/tiny", "--out", "gs://runs/grown", "--add-layers", "1"]),
+    ("eval", ["--ckpt", "az://bucket/run"]),
+    ("generate", ["--ckpt", "az://runs/tiny", "--prompt", "a"]),
+    ("grow", ["--ckpt", "runs/tiny", "--out", "az://runs/grown", "--add-layers", "1"]),
     ("convert", ["export", "--ckpt", "ftp://runs/tiny", "--out", "model.pt"]),
     ("convert", ["import", "--pt", "model.pt", "--config", "tiny", "--out", "ftp://runs/imported"]),
     ("convert", ["export", "--ckpt", "runs/tiny", "--out", "s3://runs/model.pt"]),
 ])
 def test_an_object_storage_url_is_refused_not_taken_as_a_local_path(command, argv, tmp_path, monkeypatch, capsys):
-    """A run directory given as a URL a command does not serve (s3:// is served where a run is
-    read or trained, tests/test_store.py) is refused at start (exit 2, the URL named), and no local directory
+    """A run directory given as a URL a command does not serve (s3:// and gs:// are served where
+    a run is read or trained, tests/test_store.py) is refused at start (exit 2, the URL named), and no local directory
     named after it ("s3:/runs/tiny") appears."""
     monkeypatch.chdir(tmp_path)
     main = importlib.import_module(f"fractus_jax.{command}.__main__" if command != "generate"

@@ -24,6 +24,7 @@ from fractus_jax.train import loop, rundir, store
 from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train.__main__ import main as train_cli
 from fractus_jax.train.__main__ import parse_args
+from gcs_testing import GCSServer
 from s3_testing import Relay, S3Server, child_env, set_env
 from test_faults import ROOT, assert_same_state, metrics_steps, restore, strict, tiny
 
@@ -35,10 +36,29 @@ def s3():
     server.close()
 
 
+@pytest.fixture(scope="module")
+def gcs():
+    server = GCSServer()
+    yield server
+    server.close()
+
+
 @pytest.fixture()
 def bucket(s3, monkeypatch, request):
     set_env(monkeypatch, s3.env())
     return s3.bucket(f"b{abs(hash(request.node.nodeid)) % 10**12}")
+
+
+@pytest.fixture(params=["s3", "gs"])
+def served(request, monkeypatch):
+    """(the server, the URL of a new bucket's run) of each kind of store: S3 (moto), Google
+    Cloud Storage (fake-gcs-server)."""
+    server = request.getfixturevalue({"s3": "s3", "gs": "gcs"}[request.param])
+    set_env(monkeypatch, server.env())
+    if request.param == "gs":
+        server.fail_fast(monkeypatch)
+    name = server.bucket(f"b{abs(hash(request.node.nodeid)) % 10**12}")
+    return server, f"{request.param}://{name}/run"
 
 
 def train_url(cfg, url, stage):
@@ -62,7 +82,7 @@ def store_steps(s3, bucket, run):
 # ----------------------------------------------------------------------------- URLs
 
 @pytest.mark.parametrize("url, words", [
-    ("gs://b/run", "gs:// is not served yet"),
+    ("gs://bucket-only", "give a bucket and a path inside it"),
     ("ftp://b/run", "not ftp://"),
     ("s3://bucket-only", "give a bucket and a path inside it"),
 ])
@@ -73,22 +93,24 @@ def test_a_url_the_trainer_cannot_serve_is_refused(url, words, capsys):
     assert words in capsys.readouterr().err
 
 
-def test_a_missing_library_is_named_with_its_extra(monkeypatch):
+@pytest.mark.parametrize("scheme, module", [("s3", "s3fs"), ("gs", "gcsfs")])
+def test_a_missing_library_is_named_with_its_extra(scheme, module, monkeypatch):
     real = store.importlib.util.find_spec
-    monkeypatch.setattr(store.importlib.util, "find_spec", lambda name: None if name == "s3fs" else real(name))
-    with pytest.raises(ValueError, match=r"needs s3fs, which is not installed: pip install 'fractus-jax\[s3\]'"):
-        store.check_url("s3://b/run")
+    monkeypatch.setattr(store.importlib.util, "find_spec", lambda name: None if name == module else real(name))
+    with pytest.raises(ValueError, match=rf"needs {module}, which is not installed: pip install 'fractus-jax\[{scheme}\]'"):
+        store.check_url(f"{scheme}://b/run")
     assert store.check_url("runs/a") == "runs/a"   # a local path is taken as it is
 
 
-def test_a_missing_bucket_is_refused_before_any_step(s3, monkeypatch, tmp_path, capsys):
-    set_env(monkeypatch, s3.env())
-    code = train_cli(["--config", "tiny", "--workdir", "s3://no-such-bucket/run", "--stage", str(tmp_path / "stage"),
-                      "--no-progress"])
+def test_a_missing_bucket_is_refused_before_any_step(served, tmp_path, capsys):
+    server, url = served
+    scheme = url.split(":")[0]
+    code = train_cli(["--config", "tiny", "--workdir", f"{scheme}://no-such-bucket/run", "--stage",
+                      str(tmp_path / "stage"), "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err == [f"error: s3://no-such-bucket/run: the bucket no-such-bucket does not exist (or this endpoint does "
-                   f"not serve it) at {s3.endpoint}; create it first"]
+    assert err == [f"error: {scheme}://no-such-bucket/run: the bucket no-such-bucket does not exist (or this endpoint "
+                   f"does not serve it) at {server.endpoint}; create it first"]
     assert not (tmp_path / "stage").exists()
 
 
@@ -133,8 +155,8 @@ def test_wrong_credentials_are_refused_before_any_step(secret, words, monkeypatc
 
 # ----------------------------------------------------------------------------- the lease
 
-def test_the_lease_admits_one_writer(bucket, monkeypatch):
-    run = store.Store(f"s3://{bucket}/run")
+def test_the_lease_admits_one_writer(served, monkeypatch):
+    run = store.Store(served[1])
     notes = []
     first = store.Lease(run, notes.append).acquire()
     with pytest.raises(rundir.RunDirBusy, match=r"is in use by pid \d+ on .*wait for it to end or stop it"):
@@ -154,7 +176,7 @@ def test_the_lease_admits_one_writer(bucket, monkeypatch):
     run.write(json.dumps({"holder": "old", "host": "elsewhere", "pid": 1, "expires": time.time() - 1}).encode(),
               store.LEASE)
     second = store.Lease(run, notes.append).acquire()
-    assert notes[-1].startswith(f"note: took the lease of s3://{bucket}/run/lease.json (expired: pid 1 on elsewhere)")
+    assert notes[-1].startswith(f"note: took the lease of {served[1]}/lease.json (expired: pid 1 on elsewhere)")
     second.release()
     assert not run.exists(store.LEASE)
     # a holder of this host whose process ended is taken over at once
@@ -173,7 +195,7 @@ def test_the_lease_admits_one_writer(bucket, monkeypatch):
     run.write(third._body(), store.LEASE)
     third.renew()
     third.check()
-    assert third.etag == run.etag(store.LEASE)
+    assert third.version == run.version(store.LEASE)
     # a holder that could not renew for LEASE_TRUST_SECONDS commits no more
     third._renewed -= store.LEASE_TRUST_SECONDS + 1
     with pytest.raises(rundir.RunDirBusy, match=r"the lease was not renewed for \d+ s"):
@@ -181,31 +203,27 @@ def test_the_lease_admits_one_writer(bucket, monkeypatch):
     third.release()
 
 
-def _ignoring(real, condition):
-    def write(data, *parts, **conditions):
-        return real(data, *parts, **{k: v for k, v in conditions.items() if k != condition})
-    return write
-
-
-def _refusing_if_match(real):
-    def write(data, *parts, **conditions):
-        if "IfMatch" in conditions:
-            raise OSError(95, "Not Implemented")
-        return real(data, *parts, **conditions)
-    return write
-
-
 @pytest.mark.parametrize("store_kind, words", [
     ("ignores If-None-Match", r"ignores conditional writes \(If-None-Match\)"),
     ("ignores If-Match", r"ignores conditional writes \(If-Match\)"),
-    ("refuses If-Match", r"refuses a PUT naming the object's own ETag \(If-Match: Not Implemented \(ENOTSUP\)\), so the "
+    ("refuses If-Match", r"refuses a PUT naming the object's own version \(Not Implemented \(ENOTSUP\)\), so the "
                          r"run's lease could never be renewed"),
 ])
 def test_a_store_without_conditional_writes_is_refused(store_kind, words, bucket, monkeypatch):
     run = store.Store(f"s3://{bucket}/run")
-    wrap = {"ignores If-None-Match": lambda w: _ignoring(w, "mode"), "ignores If-Match": lambda w: _ignoring(w, "IfMatch"),
-            "refuses If-Match": _refusing_if_match}[store_kind]
-    monkeypatch.setattr(run, "write", wrap(run.write))
+
+    def unconditional(data, *parts, version=None):
+        run.write(data, *parts)
+        return run.version(*parts)
+
+    def refused(data, version, *parts):
+        raise OSError(95, "Not Implemented")
+
+    if store_kind == "ignores If-None-Match":
+        monkeypatch.setattr(run, "create", unconditional)
+    else:
+        monkeypatch.setattr(run, "replace", lambda data, version, *parts: (
+            unconditional(data, *parts) if store_kind == "ignores If-Match" else refused(data, version, *parts)))
     with pytest.raises(rundir.CheckpointError, match=words):
         store.Lease(run, print).acquire()
     assert not run.exists(store.LEASE)
@@ -214,19 +232,19 @@ def test_a_store_without_conditional_writes_is_refused(store_kind, words, bucket
 
 def test_a_lease_the_store_refuses_to_write_is_one_line(bucket, monkeypatch, tmp_path, capsys):
     """Credentials that read but may not write: exit 2 and one line, before any step."""
-    real = store.Store.write
+    real = store.Store.create
 
-    def read_only(self, data, *parts, **conditions):
+    def read_only(self, data, *parts):
         raise PermissionError("Access Denied")
 
-    monkeypatch.setattr(store.Store, "write", read_only)
+    monkeypatch.setattr(store.Store, "create", read_only)
     url = f"s3://{bucket}/run"
     code = train_cli(["--config", "tiny", "--workdir", url, "--stage", str(tmp_path / "stage"), "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err == [f"error: {url}: cannot take the run's lease (PermissionError: Access Denied); the "
                    "credentials must be allowed to write there"]
-    monkeypatch.setattr(store.Store, "write", real)
+    monkeypatch.setattr(store.Store, "create", real)
     store.open_mirror(url, tmp_path / "stage").close()   # the stage's lock was let go
 
 
@@ -383,12 +401,13 @@ loop.run(prepare_lib.prepare(cfg, args["stage"], progress=False), progress=False
 
 
 @pytest.mark.parametrize("where, resumed", [("before the commit", 2), ("after the commit", 4)])
-def test_a_kill_inside_an_upload_resumes_from_a_fresh_stage_bit_exact(where, resumed, s3, bucket, straight, tmp_path):
+def test_a_kill_inside_an_upload_resumes_from_a_fresh_stage_bit_exact(where, resumed, served, straight, tmp_path):
     """SIGKILL inside step 4's upload (its files written, its commit not; or its commit written,
     the manifest not); then a new stage (a new pod) resumes from the store to step 6, equal bit
     for bit to the run never interrupted; the store's log and steps are the run's."""
     cfg6, straight_dir = straight
-    url = f"s3://{bucket}/run"
+    s3, url = served   # either kind of store
+    bucket = url.split("/")[2]
     args = {"config": cfg6.to_dict(), "url": url, "stage": str(tmp_path / "pod-a"), "where": where}
     out = subprocess.run([sys.executable, "-c", KILLED, json.dumps(args)], cwd=ROOT, capture_output=True, text=True,
                          timeout=600, env=child_env(s3.env()))
@@ -410,13 +429,14 @@ def test_a_kill_inside_an_upload_resumes_from_a_fresh_stage_bit_exact(where, res
     assert "run/lease.json" not in s3.keys(bucket, "run/")
 
 
-def test_a_store_cut_inside_an_upload_loses_nothing_committed(s3, bucket, straight, tmp_path, monkeypatch):
+def test_a_store_cut_inside_an_upload_loses_nothing_committed(served, straight, tmp_path, monkeypatch):
     """The store stops answering as step 4's upload starts: the run stops saying what failed and
     which step the store holds; with the store back, the same URL resumes to the same state."""
     cfg6, straight_dir = straight
+    s3, url = served   # either kind of store
+    bucket = url.split("/")[2]
     relay = Relay(s3.port)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", relay.endpoint)
-    url = f"s3://{bucket}/run"
+    set_env(monkeypatch, s3.env(relay.endpoint))
     real = store.Mirror._upload_step
 
     def cut_at_4(self, step, parts=None):
@@ -465,12 +485,13 @@ def test_a_rejected_step_saved_again_is_moved_aside_in_the_store(s3, bucket, str
                     for p in (stage / "checkpoints" / "4").rglob("*") if p.is_file()}
 
 
-def test_the_commands_train_on_a_url_resume_it_and_read_it(s3, bucket, corpus_file, tmp_path, capsys, monkeypatch):
-    """`python -m fractus_jax.train --workdir s3://...`: the stage is the store's, and a second
-    pod's stage, pulled, resumes where the first stopped. eval, generate and convert export
-    read the URL (a run, a step, --step) as they read the stage, and grow grows it; a step
-    the store does not commit is refused."""
-    url = f"s3://{bucket}/cli"
+def test_the_commands_train_on_a_url_resume_it_and_read_it(served, corpus_file, tmp_path, capsys, monkeypatch):
+    """`python -m fractus_jax.train --workdir s3://...` (or gs://...): the stage is the store's,
+    and a second pod's stage, pulled, resumes where the first stopped. eval, generate and
+    convert export read the URL (a run, a step, --step) as they read the stage, and grow grows
+    it; a step the store does not commit is refused."""
+    s3, url = served   # either kind of store
+    bucket = url.split("/")[2]
     common = ["--config", "tiny", "--workdir", url, "--set", f"corpus={corpus_file}", "--set", "save_every=2",
               "--no-progress"]
     assert train_cli([*common, "--stage", str(tmp_path / "a"), "--set", "max_steps=4"]) == 0
@@ -479,7 +500,7 @@ def test_the_commands_train_on_a_url_resume_it_and_read_it(s3, bucket, corpus_fi
     assert train_cli([*common, "--stage", str(tmp_path / "b"), "--set", "max_steps=6"]) == 0
     err = capsys.readouterr().err
     assert "pulling step 4 " in err and f"resumed {tmp_path / 'b'} at step 4" in err, err
-    assert strict(s3.read(bucket, "cli/manifest.json").decode())["step"] == 6
+    assert strict(s3.read(bucket, "run/manifest.json").decode())["step"] == 6
     with pytest.raises(SystemExit):
         parse_args(["--config", "tiny", "--workdir", str(tmp_path / "local"), "--stage", str(tmp_path / "x")])
 
@@ -518,12 +539,14 @@ def test_the_commands_train_on_a_url_resume_it_and_read_it(s3, bucket, corpus_fi
                                                 "(steps: [2, 4, 6])")
 
 
-def test_grow_and_import_write_a_new_run_to_a_url(s3, bucket, straight, corpus_file, tmp_path, monkeypatch, capsys):
+def test_grow_and_import_write_a_new_run_to_a_url(served, straight, corpus_file, tmp_path, monkeypatch, capsys):
     """grow --out and convert import --out take a URL that holds no run: the new run is
     committed in the store, reads as the same run written locally, and trains on from there."""
     cfg6, straight_dir = straight
+    s3, url = served   # either kind of store
+    bucket, base = url.split("/")[2], url.rsplit("/", 1)[0]
     monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
-    grown = f"s3://{bucket}/grown"
+    grown = f"{base}/grown"
     grow = ["--ckpt", str(straight_dir), "--add-layers", "1", "--corpus", str(corpus_file)]
     assert grow_cli([*grow, "--out", grown]) == 0
     assert grow_cli([*grow, "--out", str(tmp_path / "grown")]) == 0
@@ -540,7 +563,7 @@ def test_grow_and_import_write_a_new_run_to_a_url(s3, bucket, straight, corpus_f
 
     pt = tmp_path / "run.pt"
     assert convert_cli(["export", "--ckpt", str(straight_dir), "--out", str(pt), "--opt"]) == 0
-    imported = f"s3://{bucket}/imported"
+    imported = f"{base}/imported"
     assert convert_cli(["import", "--pt", str(pt), "--out", imported, "--config", "tiny",
                         "--set", f"corpus={corpus_file}", "--set", "save_every=2"]) == 0
     assert store_steps(s3, bucket, "imported") == [6]

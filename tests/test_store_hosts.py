@@ -1,7 +1,8 @@
 """Two processes that share no local directory train a run on object storage (moto's S3
-server), save it and resume it on new stages, as on a new pod: each process uploads its own
-shards, process 0 commits, and the run ends bit for bit where the same run on a shared disk
-ends. One process then resumes it, and two resume that process's step."""
+server; fake-gcs-server's Google Cloud Storage), save it and resume it on new stages, as on a
+new pod: each process uploads its own shards, process 0 commits, and the run ends bit for
+bit where the same run on a shared disk ends. One process then resumes it, and two resume
+that process's step."""
 import json
 import subprocess
 import sys
@@ -12,16 +13,18 @@ import pytest
 
 from fractus_jax.train import store
 from engine_testing import SUBPROCESS_XLA_FLAGS
+from gcs_testing import GCSServer
 from s3_testing import S3Server, child_env, set_env
 from test_multihost_faults import ROOT, RUN, STRAIGHT, launch, restore_state
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server()
-    yield server
+@pytest.fixture(scope="module", params=["s3", "gs"])
+def served(request):
+    """(a server, its scheme): each kind of store."""
+    server = {"s3": S3Server, "gs": GCSServer}[request.param]()
+    yield server, request.param
     server.close()
 
 
@@ -30,18 +33,19 @@ def stages(root, pod):
     return {i: ("--stage", str(root / f"{pod}-host{i}")) for i in range(2)}
 
 
-def test_two_processes_without_a_shared_disk_train_save_and_resume(s3, corpus_file, tmp_path, monkeypatch):
-    bucket = s3.bucket("hosts")
-    url = f"s3://{bucket}/run"
-    env = child_env(s3.env())
+def test_two_processes_without_a_shared_disk_train_save_and_resume(served, corpus_file, tmp_path, monkeypatch):
+    server, scheme = served
+    bucket = server.bucket("hosts")
+    url = f"{scheme}://{bucket}/run"
+    env = child_env(server.env())
 
     # Pod A trains to step 4 (saves at 2 and 4): each process stages its own part.
     errs = launch(url, corpus_file, ["max_steps=4", "save_every=2"], each=stages(tmp_path, "a"), env=env)
-    keys = s3.keys(bucket, "run/")
+    keys = server.keys(bucket, "run/")
     committed = sorted(int(k.split("/")[2]) for k in keys if k.endswith("/" + store.COMMITTED))
     assert committed == [2, 4], keys
     assert "run/lease.json" not in keys and "run/metrics.jsonl" in keys
-    record = json.loads(s3.read(bucket, "run/checkpoints/4/committed.json"))["files"]
+    record = json.loads(server.read(bucket, "run/checkpoints/4/committed.json"))["files"]
     own = [{n for n in record if n.startswith(f"params/array_metadatas/process_{i}")} for i in range(2)]
     assert all(own), sorted(record)   # both processes' shards are in the store's step
     parts = [set(store._step_files(tmp_path / f"a-host{i}" / f"process-{i}" / "checkpoints" / "4")) for i in range(2)]
@@ -60,7 +64,7 @@ def test_two_processes_without_a_shared_disk_train_save_and_resume(s3, corpus_fi
     shared = tmp_path / "shared"
     launch(shared, corpus_file, STRAIGHT, env=env)
     monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
-    set_env(monkeypatch, s3.env())
+    set_env(monkeypatch, server.env())
     read = store.readable(url, log=lambda m: None)
     (a, meta_a), (b, meta_b) = restore_state(read), restore_state(shared)
     assert meta_a["step"] == meta_b["step"] == 6 and meta_a["start_token_next"] == meta_b["start_token_next"]
@@ -79,5 +83,5 @@ def test_two_processes_without_a_shared_disk_train_save_and_resume(s3, corpus_fi
     errs = launch(url, corpus_file, ["max_steps=10", "save_every=2"], each=stages(tmp_path, "d"), env=env)
     for i, err in enumerate(errs):
         assert f"process-{i} at step 8, lane offset" in err, err[-3000:]
-    keys = s3.keys(bucket, "run/")
+    keys = server.keys(bucket, "run/")
     assert max(int(k.split("/")[2]) for k in keys if k.endswith("/" + store.COMMITTED)) == 10, keys

@@ -21,7 +21,7 @@ SUBCOMMANDS = {
     "lanes": ("fractus_jax.bench.lanes",
               "the lane reader's ids/s from a set of shards against one file"),
     "store": ("fractus_jax.bench.store",
-              "a checkpoint saved, uploaded to s3://, pulled and restored: MB/s of each leg"),
+              "a checkpoint saved, uploaded to s3:// or gs://, pulled and restored: MB/s of each leg"),
     "profile": ("fractus_jax.bench.profile",
                 "where the trainer's step spends its time: op time by component, pass, kind"),
 }

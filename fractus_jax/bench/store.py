@@ -101,13 +101,14 @@ def table(r: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fractus_jax.bench store", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", required=True, type=store.workdir_arg, help="s3://BUCKET/PATH (a run directory of its own)")
+    p.add_argument("--url", required=True, type=store.workdir_arg,
+                   help="s3://BUCKET/PATH or gs://BUCKET/PATH (a run directory of its own)")
     p.add_argument("--gb", type=float, default=1.0, help="the state's size in GB (default 1)")
     p.add_argument("--stage", type=Path, help="the two stages' parent (default: a temporary folder, removed after)")
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = p.parse_args(argv)
     if not store.scheme_of(args.url):
-        p.error(f"--url {args.url!r}: give an s3:// URL")
+        p.error(f"--url {args.url!r}: give an s3:// or gs:// URL")
     if not args.gb > 0:
         p.error(f"--gb {args.gb:g}: give a size above 0")
     parent = args.stage or Path(tempfile.mkdtemp(prefix="fractus-bench-store-"))

@@ -30,7 +30,7 @@ def parse_args(argv=None):
     i = sub.add_parser("import", help="a PyTorch checkpoint → a new run directory the trainer resumes")
     i.add_argument("--pt", required=True, metavar="FILE", help=".pt, .bin, .pth or .safetensors")
     i.add_argument("--out", required=True, metavar="DIR", type=store.workdir_arg,
-                   help="the new run directory, or an s3:// URL that holds no run")
+                   help="the new run directory, or an s3:// or gs:// URL that holds no run")
     i.add_argument("--config", required=True, help="a config name (fractus_jax/configs/NAME.py) or a path: the run's TrainConfig")
     i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, as for the trainer")

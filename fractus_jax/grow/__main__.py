@@ -25,7 +25,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=store.workdir_arg,
                    help="a run directory (its latest checkpoint) or DIR/checkpoints/<step>")
     p.add_argument("--out", required=True, metavar="DIR", type=store.workdir_arg,
-                   help="the new run directory (absent or empty), or an s3:// URL that holds no run")
+                   help="the new run directory (absent or empty), or an s3:// or gs:// URL that holds no run")
     p.add_argument("--add-layers", type=int, default=0, metavar="N", help="blocks appended after the last one")
     p.add_argument("--add-experts", type=int, default=0, metavar="N", help="experts added to every layer")
     p.add_argument("--siren-rank", type=int, default=None, metavar="R", help="the new expert rank (>= the current)")

@@ -24,11 +24,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fractus_jax.train", description=__doc__)
     p.add_argument("--config", required=True, help="a config name (fractus_jax/configs/NAME.py), or a path to a config file")
     p.add_argument("--workdir", required=True, type=store.workdir_arg,
-                   help="run directory: checkpoints, manifest, metrics; a local path or s3://BUCKET/PATH "
-                        "(trained in a local stage, each commit uploaded)")
+                   help="run directory: checkpoints, manifest, metrics; a local path, s3://BUCKET/PATH or "
+                        "gs://BUCKET/PATH (trained in a local stage, each commit uploaded)")
     p.add_argument("--stage", type=rundir.local_path, metavar="DIR",
-                   help="with an s3:// --workdir: the local directory the run is trained in (default: "
-                        "FRACTUS_CACHE/stage/s3/BUCKET/PATH); the store stays the truth")
+                   help="with an s3:// or gs:// --workdir: the local directory the run is trained in (default: "
+                        "FRACTUS_CACHE/stage/SCHEME/BUCKET/PATH); the store stays the truth")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field (dotted: model.variant=parent) or a PyTorch trainer name (BATCH=16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -47,7 +47,7 @@ def parse_args(argv=None):
                       help="CPU only: devices per process (tests and rehearsals on one machine)")
     args = p.parse_args(argv)
     if args.stage and not store.scheme_of(args.workdir):
-        p.error("--stage goes with an s3:// --workdir (a local run directory is its own stage)")
+        p.error("--stage goes with an s3:// or gs:// --workdir (a local run directory is its own stage)")
     if args.peer_timeout < peers.MIN_PEER_TIMEOUT_SECONDS:
         p.error(f"--peer-timeout {args.peer_timeout:g} is under {peers.MIN_PEER_TIMEOUT_SECONDS:g} s "
                 "(five heartbeats): a late heartbeat would read as a death")
@@ -154,7 +154,7 @@ def train(args, argv) -> int:
 
 
 def local_dir(args) -> Path:
-    """The directory the run is trained in: --workdir, or the stage of an s3:// one."""
+    """The directory the run is trained in: --workdir, or the stage of a URL's."""
     return Path(args.stage if store.scheme_of(args.workdir) else args.workdir)
 
 

@@ -522,8 +522,8 @@ def local_path(value: str) -> str:
     """The argparse type of a path that must be local (an output file, a new run directory
     written by grow or import, a stage): a local path or a filesystem mounted on every host.
     A URL (s3://, gs://, ...) is refused with exit 2: it is never taken as the local directory
-    its slashes would collapse to ("s3:/runs/x"). (Where a run is trained or read, s3:// is
-    served: `store.workdir_arg`.)"""
+    its slashes would collapse to ("s3:/runs/x"). (Where a run is trained or read, s3:// and gs://
+    are served: `store.workdir_arg`.)"""
     if URL.match(value):
         scheme = URL.match(value).group(1)
         raise argparse.ArgumentTypeError(

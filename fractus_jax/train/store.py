@@ -1,6 +1,7 @@
 """A run directory on object storage: the store holds the committed run, this machine a stage.
 
     python -m fractus_jax.train --config atom_1b --workdir s3://bucket/runs/a [--stage DIR]
+    python -m fractus_jax.train --config atom_1b --workdir gs://bucket/runs/a [--stage DIR]
 
 The trainer works in a local stage (`--stage`, by default under the cache directory) exactly
 as in a local run directory, and the store is its truth:
@@ -34,9 +35,14 @@ Orbax then restores from each stage as from a shared disk.
 
 Why a stage rather than Orbax writing to the bucket: orbax-checkpoint 0.12.8 hands array
 writes to tensorstore's own driver for gs:// only, and refuses an s3:// directory ("Checkpoint
-path should be absolute. Got s3:/..."). The library is fsspec's (s3fs for s3://);
-credentials and the endpoint come from the standard variables (AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...), as boto3 reads them.
+path should be absolute. Got s3:/..."); one path serves both stores. The library is fsspec's:
+s3fs for s3://, whose credentials and endpoint come from the standard variables
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, ...) as boto3 reads
+them; gcsfs for gs://, with Google's application default credentials
+(GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default login`, or a VM's service
+account) and STORAGE_EMULATOR_HOST for a server other than Google's. The lease's one write
+that fsspec does not offer on gs://, a PUT conditional on the object's generation, is made by
+google-cloud-storage, the client gcsfs itself installs.
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ import concurrent.futures
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -85,7 +92,7 @@ PARTS_WAIT_SECONDS = 600.0
 PARTS_POLL_SECONDS = 0.5
 
 # scheme -> (the module fsspec needs for it, the extra that installs it); None: not served yet
-SCHEMES = {"s3": ("s3fs", "s3"), "gs": None}
+SCHEMES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gs")}
 _URL = rundir.URL
 
 Log = Callable[[str], None]
@@ -104,11 +111,8 @@ def check_url(value: str) -> str:
     if scheme is None:
         return value
     if scheme not in SCHEMES:
-        raise ValueError(f"{value!r}: a run directory is a local path or an s3:// URL, not {scheme}://")
-    served = SCHEMES[scheme]
-    if served is None:
-        raise ValueError(f"{value!r}: {scheme}:// is not served yet (s3:// is, for any S3-compatible store)")
-    module, extra = served
+        raise ValueError(f"{value!r}: a run directory is a local path or an s3:// or gs:// URL, not {scheme}://")
+    module, extra = SCHEMES[scheme]
     if importlib.util.find_spec(module) is None:
         raise ValueError(f"{value!r} needs {module}, which is not installed: pip install 'fractus-jax[{extra}]'")
     bucket, _, key = _URL.match(value).group(2).partition("/")
@@ -133,8 +137,20 @@ def default_stage(url: str) -> Path:
 
 
 def _filesystem(scheme: str):
-    import fsspec   # installed with the s3 extra (s3fs): imported only when a URL is used
+    import fsspec   # installed with the s3 and gs extras: imported only when a URL is used
+    if scheme == "gs":
+        # gcsfs logs each request that ran out of tries with its traceback; the run's own
+        # error line names the failure, the URL and the step the store holds
+        logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
     return fsspec.filesystem(scheme, skip_instance_cache=True)
+
+
+# What each store's refusals name: the credentials it reads and the variable of its endpoint.
+CREDENTIALS = {"s3": ("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"),
+               "gs": ("GOOGLE_APPLICATION_CREDENTIALS", "`gcloud auth application-default login`")}
+ENDPOINTS = {"s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"), "gs": ("STORAGE_EMULATOR_HOST",)}
+
+
 
 
 class Store:
@@ -147,6 +163,7 @@ class Store:
         self.root = rest.strip("/")
         self.bucket = self.root.split("/", 1)[0]
         self.fs = _filesystem(self.scheme)
+        self._gcs = None   # gs://: google-cloud-storage's bucket, for `replace`
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *[p.strip("/") for p in parts if p]])
@@ -163,17 +180,18 @@ class Store:
                                   f"not serve it){self._endpoint_words()}; create it first") from None
         except PermissionError as e:
             raise CheckpointError(f"{self.url}: access refused ({rundir.reason(e)}); check the credentials "
-                                  "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)") from None
+                                  "({}, or {})".format(*CREDENTIALS[self.scheme])) from None
         except Exception as e:   # noqa: BLE001 - no credentials, no network, a bad endpoint
-            if any(c.__name__ == "NoCredentialsError" for c in type(e).__mro__):   # botocore's
-                raise CheckpointError(f"{self.url}: no credentials found; set AWS_ACCESS_KEY_ID and "
-                                      "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
+            # botocore's, google-auth's
+            if any(c.__name__ in ("NoCredentialsError", "DefaultCredentialsError") for c in type(e).__mro__):
+                raise CheckpointError(f"{self.url}: no credentials found; set "
+                                      "{} (or {})".format(*CREDENTIALS[self.scheme])) from None
             raise CheckpointError(f"{self.url}: cannot reach the store{self._endpoint_words()} "
                                   f"({rundir.reason(e)})") from None
 
     def _endpoint_words(self) -> str:
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        return f" at {endpoint}" if endpoint and self.scheme == "s3" else ""
+        endpoint = next((os.environ[v] for v in ENDPOINTS[self.scheme] if os.environ.get(v)), None)
+        return f" at {endpoint}" if endpoint else ""
 
     def exists(self, *parts: str) -> bool:
         return self.fs.exists(self.path(*parts))
@@ -181,15 +199,52 @@ class Store:
     def read(self, *parts: str) -> bytes:
         return self.fs.cat_file(self.path(*parts))
 
-    def write(self, data: bytes, *parts: str, **conditions):
-        """One PUT of the whole object; returns the store's answer (with its ETag)."""
-        return self.fs.pipe_file(self.path(*parts), data, **conditions)
+    def write(self, data: bytes, *parts: str) -> None:
+        """One PUT of the whole object."""
+        self.fs.pipe_file(self.path(*parts), data)
 
-    def etag(self, *parts: str) -> Optional[str]:
+    # Conditional PUTs, the lease's: an object's version is its ETag on s3://, its generation on gs://.
+
+    def version(self, *parts: str) -> Optional[str]:
+        """The object's version; None when it does not exist."""
         try:
-            return self.fs.info(self.path(*parts), refresh=True).get("ETag")
+            info = self.fs.info(self.path(*parts), refresh=True)
         except FileNotFoundError:
             return None
+        return str(info["generation"]) if self.scheme == "gs" else info.get("ETag")
+
+    def create(self, data: bytes, *parts: str) -> str:
+        """A PUT that only creates (If-None-Match: *, ifGenerationMatch=0): FileExistsError
+        when the object exists. Returns its version."""
+        answer = self.fs.pipe_file(self.path(*parts), data, mode="create")
+        return self._version_of(answer, parts)
+
+    def replace(self, data: bytes, version: str, *parts: str) -> str:
+        """A PUT that only replaces the object at `version` (If-Match, ifGenerationMatch):
+        OSError when it is at another one (or gone). Returns its new version."""
+        if self.scheme == "gs":
+            return self._gcs_replace(data, version, parts)
+        answer = self.fs.pipe_file(self.path(*parts), data, IfMatch=version)   # s3fs: OSError when refused
+        return self._version_of(answer, parts)
+
+    def _version_of(self, answer, parts) -> str:
+        key = "generation" if self.scheme == "gs" else "ETag"
+        if isinstance(answer, dict) and answer.get(key) is not None:
+            return str(answer[key])
+        return self.version(*parts)
+
+    def _gcs_replace(self, data: bytes, version: str, parts) -> str:
+        from google.api_core import exceptions   # installed with gcsfs (the gs extra)
+        from google.auth import exceptions as auth_exceptions
+        from google.cloud import storage
+        try:
+            if self._gcs is None:
+                self._gcs = storage.Client().bucket(self.bucket)
+            blob = self._gcs.blob(self.path(*parts).split("/", 1)[1])
+            blob.upload_from_string(data, if_generation_match=int(version))
+        except (exceptions.GoogleAPIError, auth_exceptions.GoogleAuthError) as e:
+            raise OSError(f"{type(e).__name__}: {e}") from None
+        return str(blob.generation)
 
     def listdir(self, *parts: str) -> list[str]:
         """The names directly under a prefix ([] when none)."""
@@ -226,12 +281,17 @@ class Store:
 
 # ----------------------------------------------------------------------------- the lease
 
+# a version no object has: the probe's PUT naming it must be refused
+OTHER_VERSION = {"s3": '"0"', "gs": "1"}
+
+
 class Lease:
     """One writer at a time on a store: URL/lease.json, written only by conditional PUTs.
 
-    Taken by a create-if-absent (If-None-Match: *); renewed every LEASE_RENEW_SECONDS by a PUT
-    that names the ETag this holder last wrote (If-Match), so that a lease another process
-    took over is never overwritten; taken over by the same If-Match once it expired (not
+    Taken by a create-if-absent (If-None-Match: *; on gs://, ifGenerationMatch=0); renewed
+    every LEASE_RENEW_SECONDS by a PUT that names the version (ETag; generation) this holder
+    last wrote (If-Match; ifGenerationMatch), so that a lease another process took over is
+    never overwritten; taken over by the same conditional PUT once it expired (not
     renewed for LEASE_SECONDS: its holder died) or when its holder is a process of this
     machine and process namespace (the same boot and pid namespace: containers sharing a
     host name do not count) that no longer lives. A store that ignores either condition is
@@ -241,7 +301,7 @@ class Lease:
     def __init__(self, store: Store, log: Log):
         self.store, self.log = store, log
         self.holder = uuid.uuid4().hex
-        self.etag: Optional[str] = None
+        self.version: Optional[str] = None   # of the lease as this holder last wrote it
         self.lost: Optional[str] = None
         self._renewed = 0.0          # time.monotonic() of the last PUT the store took
         self._stop = threading.Event()
@@ -256,38 +316,37 @@ class Lease:
 
     def _check_conditions(self) -> None:
         """What the lease needs of the store, tried on a probe object: a create-if-absent on an
-        object that exists fails; a PUT naming an ETag the object does not have fails and
-        leaves it; a PUT naming its own ETag succeeds. A store (or a client) that lets the
+        object that exists fails; a PUT naming a version the object does not have fails and
+        leaves it; a PUT naming its own version succeeds. A store (or a client) that lets the
         first two through would let two writers hold the lease; one that refuses the last
         could never renew it."""
         probe = f".conditional-put-probe-{self.holder}"
 
         def ignores(condition):
             return CheckpointError(f"{self.store.url}: this store ignores conditional writes ({condition}), so it "
-                                   "cannot hold the run's lease; use a store that honours them (AWS S3, MinIO, "
-                                   "recent Ceph and R2 do)")
+                                   "cannot hold the run's lease; use a store that honours them (AWS S3, Google "
+                                   "Cloud Storage, MinIO, recent Ceph and R2 do)")
         try:
-            answer = self.store.write(b"1", probe, mode="create")
+            version = self.store.create(b"1", probe)
             try:
-                self.store.write(b"2", probe, mode="create")
+                self.store.create(b"2", probe)
             except FileExistsError:
                 pass
             else:
                 raise ignores("If-None-Match")
             try:
-                self.store.write(b"3", probe, IfMatch='"0"')
+                self.store.replace(b"3", OTHER_VERSION[self.store.scheme], probe)
             except OSError:
                 pass
             if self.store.read(probe) != b"1":
                 raise ignores("If-Match")
-            etag = answer.get("ETag") if isinstance(answer, dict) else self.store.etag(probe)
             try:
-                self.store.write(b"4", probe, IfMatch=etag)
+                self.store.replace(b"4", version, probe)
             except OSError as e:
-                raise CheckpointError(f"{self.store.url}: this store refuses a PUT naming the object's own ETag "
-                                      f"(If-Match: {rundir.reason(e)}), so the run's lease could never be renewed; "
-                                      "use a store that honours conditional writes (AWS S3, MinIO, recent Ceph "
-                                      "and R2 do)") from None
+                raise CheckpointError(f"{self.store.url}: this store refuses a PUT naming the object's own version "
+                                      f"({rundir.reason(e)}), so the run's lease could never be renewed; "
+                                      "use a store that honours conditional writes (AWS S3, Google Cloud Storage, "
+                                      "MinIO, recent Ceph and R2 do)") from None
         finally:
             try:
                 self.store.fs.rm(self.store.path(probe))
@@ -297,10 +356,9 @@ class Lease:
     def acquire(self) -> "Lease":
         self._check_conditions()
         try:
-            answer = self.store.write(self._body(), LEASE, mode="create")
+            self.version = self.store.create(self._body(), LEASE)
         except FileExistsError:
-            answer = self._take_over()
-        self.etag = answer.get("ETag") if isinstance(answer, dict) else self.store.etag(LEASE)
+            self.version = self._take_over()
         self._renewed = time.monotonic()
         _HELD.add(self.holder)
         self._thread = threading.Thread(target=self._renew_loop, name="fractus-lease", daemon=True)
@@ -308,10 +366,10 @@ class Lease:
         return self
 
     def _take_over(self):
-        etag = self.store.etag(LEASE)
-        if etag is None:   # released since the create found it: create it again
+        version = self.store.version(LEASE)
+        if version is None:   # released since the create found it: create it again
             try:
-                return self.store.write(self._body(), LEASE, mode="create")
+                return self.store.create(self._body(), LEASE)
             except FileExistsError:
                 raise RunDirBusy(f"{self.store.url}: another process took the lease at the same moment") from None
         try:
@@ -330,35 +388,34 @@ class Lease:
                              f"{float(held.get('expires', now)) - now:.0f} s more; one process writes a run at a "
                              "time: wait for it to end or stop it)")
         try:
-            answer = self.store.write(self._body(), LEASE, IfMatch=etag)
-        except (FileExistsError, OSError):
+            taken = self.store.replace(self._body(), version, LEASE)
+        except OSError:
             raise RunDirBusy(f"{self.store.url}: another process took the lease at the same moment") from None
         why = "expired" if expired else "its holder's process has ended, or let it go"
         self.log(f"note: took the lease of {self.store.url_of(LEASE)} ({why}: pid {held.get('pid')} "
                  f"on {held.get('host')})")
-        return answer
+        return taken
 
     def renew(self) -> None:
         with self._lock:
-            if self.lost or self.etag is None:
+            if self.lost or self.version is None:
                 return
             try:
-                answer = self.store.write(self._body(), LEASE, IfMatch=self.etag)
-            except (FileExistsError, FileNotFoundError, OSError) as e:
-                current = self.store.etag(LEASE)
-                if current == self.etag:
+                version = self.store.replace(self._body(), self.version, LEASE)
+            except OSError as e:
+                current = self.store.version(LEASE)
+                if current == self.version:
                     return   # a store that does not answer: tried again at the next renewal
                 try:
                     mine = json.loads(self.store.read(LEASE)).get("holder") == self.holder
                 except (FileNotFoundError, ValueError):
                     mine = False
                 if mine:   # our PUT was taken and its answer lost
-                    self.etag, self._renewed = current, time.monotonic()
+                    self.version, self._renewed = current, time.monotonic()
                 else:
                     self.lost = f"another process took the lease ({rundir.reason(e)})"
                 return
-            self.etag = answer.get("ETag") if isinstance(answer, dict) else self.store.etag(LEASE)
-            self._renewed = time.monotonic()
+            self.version, self._renewed = version, time.monotonic()
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(LEASE_RENEW_SECONDS):
@@ -370,7 +427,7 @@ class Lease:
     def check(self) -> None:
         """Before a commit: raise RunDirBusy when the lease was lost, or not renewed for so
         long that another process may have taken it."""
-        if not self.lost and self.etag is not None:
+        if not self.lost and self.version is not None:
             unrenewed = time.monotonic() - self._renewed
             if unrenewed > LEASE_TRUST_SECONDS:
                 self.lost = (f"the lease was not renewed for {unrenewed:.0f} s (the store did not take it), and "
@@ -384,11 +441,11 @@ class Lease:
             self._thread.join()
         with self._lock:
             try:
-                if self.etag is not None and not self.lost and self.store.etag(LEASE) == self.etag:
+                if self.version is not None and not self.lost and self.store.version(LEASE) == self.version:
                     self.store.fs.rm(self.store.path(LEASE))
             except Exception:   # noqa: BLE001 - a store that does not answer: the lease expires
                 pass
-            self.etag = None
+            self.version = None
             _HELD.discard(self.holder)
 
 

