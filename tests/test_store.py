@@ -153,6 +153,48 @@ def test_wrong_credentials_are_refused_before_any_step(secret, words, monkeypatc
     assert not (tmp_path / "stage").exists()
 
 
+class _PrefixOnly:
+    """A filesystem whose key may touch and list one prefix of its bucket, as an IAM policy
+    limited to it allows (s3:ListBucket with an s3:prefix condition, object actions on
+    BUCKET/PREFIX/*): any call on a path outside it is refused as the store would refuse it."""
+
+    def __init__(self, fs, prefix):
+        self._fs, self._prefix = fs, prefix
+
+    def __getattr__(self, name):
+        real = getattr(self._fs, name)
+        if not callable(real):
+            return real
+
+        def call(path, *args, **kwargs):
+            remote = args[0] if name in ("put", "put_file") else path   # put: (local, remote)
+            for p in (remote if isinstance(remote, list) else [remote]):
+                if not (str(p) == self._prefix or str(p).startswith(self._prefix + "/")):
+                    raise PermissionError(f"Access Denied ({name} {p})")
+            return real(path, *args, **kwargs)
+        return call
+
+
+def test_a_key_limited_to_the_runs_prefix_trains_and_reads_it(served, corpus_file, tmp_path, monkeypatch, capsys):
+    """Credentials that may list and touch only the run's prefix open a new run, train it,
+    resume it and read it (nothing is listed above the prefix but to tell a missing bucket)."""
+    server, url = served
+    real = store._filesystem
+    monkeypatch.setattr(store, "_filesystem", lambda scheme: _PrefixOnly(real(scheme), url.split("://")[1]))
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    common = ["--config", "tiny", "--workdir", url, "--set", f"corpus={corpus_file}", "--set", "save_every=2",
+              "--no-progress"]
+    assert train_cli([*common, "--stage", str(tmp_path / "a"), "--set", "max_steps=2"]) == 0
+    assert train_cli([*common, "--stage", str(tmp_path / "b"), "--set", "max_steps=4"]) == 0
+    assert f"resumed {tmp_path / 'b'} at step 2" in capsys.readouterr().err
+    assert eval_cli(["--ckpt", url, "--corpus", str(corpus_file), "--ids", "256", "--json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
+    # the control: the same key outside its prefix is refused at the start, in one line
+    other = url.rsplit("/", 1)[0] + "/other"
+    assert train_cli(["--config", "tiny", "--workdir", other, "--stage", str(tmp_path / "c"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {other}: access refused (")
+
+
 # ----------------------------------------------------------------------------- the lease
 
 def test_the_lease_admits_one_writer(served, monkeypatch):

@@ -172,9 +172,17 @@ class Store:
         return f"{self.scheme}://{self.path(*parts)}"
 
     def check_access(self) -> None:
-        """The bucket exists and the credentials read it: refused (CheckpointError) in one line."""
+        """The bucket exists and the credentials read it: refused (CheckpointError) in one line.
+        What is listed is the run's own prefix, as a key allowed only that prefix may; the
+        bucket only when the prefix holds nothing (a new run, or no bucket)."""
         try:
-            self.fs.ls(self.bucket, detail=False, refresh=True)
+            try:
+                self.fs.ls(self.root, detail=False, refresh=True)
+            except FileNotFoundError:   # an empty prefix, or no bucket
+                try:
+                    self.fs.ls(self.bucket, detail=False, refresh=True)
+                except PermissionError:
+                    pass   # a key that may list its prefix only: the bucket is there
         except FileNotFoundError:
             raise CheckpointError(f"{self.url}: the bucket {self.bucket} does not exist (or this endpoint does "
                                   f"not serve it){self._endpoint_words()}; create it first") from None
@@ -739,6 +747,8 @@ class Mirror:
             if self.lead and not self.lease.lost:
                 self._upload_logs()
         except Exception as e:   # noqa: BLE001
+            if not quiet and isinstance(e, (rundir.RunDirIOError, RunDirBusy)):
+                raise   # the upload's own words: the step, the URL, what the store holds
             if not quiet:
                 raise rundir.RunDirIOError(f"cannot upload to {self.url}: {rundir.reason(e)}; "
                                            f"{self._store_words()}") from None
