@@ -108,6 +108,12 @@ def launch(workdir, corpus_file, overrides, hooks=None, timeout=400, cache=None,
     procs = start(workdir, corpus_file, overrides, hooks, cache=cache, each=each, env=env)
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        errs = [p.communicate()[1] for p in procs]   # what each said before it was stopped
+        raise AssertionError(f"not ended after {timeout} s:\n" + "\n".join(
+            f"process {i}: ...{err[-3000:]}" for i, err in enumerate(errs))) from None
     finally:
         for p in procs:
             p.kill()

@@ -36,9 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
-
-from fractus_jax.train import rundir
+from fractus_jax.train import policy, rundir
 from fractus_jax.train import state as train_state
 from fractus_jax.train.config import ConfigError, TrainConfig
 from fractus_jax.train.rundir import CHECKPOINTS, MANIFEST, CheckpointError, read_manifest, write_json_atomic
@@ -125,20 +123,20 @@ def write_checksums(step_dir: Path, finite: dict, items: Optional[dict] = None) 
     write_json_atomic(step_dir / CHECKSUMS, record)
 
 
-def gather_step_files(step_dir: Path) -> dict[str, tuple[int, str, int]]:
+def gather_step_files(step_dir: Path, key: str) -> dict[str, tuple[int, str, int]]:
     """{path in the step: (size, sha256, the lowest process holding it)} of every process's
-    files of a step each process saved into its own directory (collective: every process
-    calls it, and gets the same answer)."""
+    files of a step each process saved into its own directory. Every process calls it with
+    the same key (one per save) and gets the same answer, through the coordination service's
+    key-value store: no device collective, whose first use gives up when the processes come
+    to it far apart (one still finishing its save)."""
     mine = {str(p.relative_to(step_dir)): [p.stat().st_size, _file_sha256(p)]
             for p in sorted(step_dir.rglob("*")) if p.is_file()}
-    blob = np.frombuffer(json.dumps(mine, sort_keys=True).encode(), np.uint8)
-    lengths = np.asarray(multihost_utils.process_allgather(np.array([blob.size], np.int64))).reshape(-1)
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[:blob.size] = blob
-    blobs = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    client = policy.runtime_client()
+    client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(mine, sort_keys=True))
     union: dict[str, tuple[int, str, int]] = {}
-    for process, (row, n) in enumerate(zip(blobs, lengths)):
-        for name, (size, sha) in json.loads(row[:n].tobytes()).items():
+    for process in range(jax.process_count()):
+        for name, (size, sha) in json.loads(client.blocking_key_value_get(f"{key}/{process}",
+                                                                          policy.WAIT_MS)).items():
             union.setdefault(name, (int(size), sha, process))
     return union
 
@@ -232,8 +230,11 @@ def _manager(workdir, keep: int = 3, read_only: bool = False, asynchronous: bool
         handlers = {item: ocp.StandardCheckpointHandler(use_ocdbt=False, multiprocessing_options=each)
                     for item in ITEMS if item != "meta"}
         handlers["meta"] = ocp.JsonCheckpointHandler(multiprocessing_options=each)
-        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, multiprocessing_options=each,
-                                               enable_async_checkpointing=asynchronous)
+        # the step's directories made before the save returns: made in the background, a
+        # process's item could be written before its directory existed (seen under load)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None, create=True, multiprocessing_options=each, enable_async_checkpointing=asynchronous,
+            async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
         return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
     if read_only:
         logging.getLogger("absl").addFilter(_READ_ONLY_NOTICE)   # once: a filter is added once
@@ -268,6 +269,7 @@ class RunCheckpointer:
         self.mirror = mirror
         # several processes, each with its own stage: each saves its own part of a step
         self.parts = mirror is not None and mirror.parts
+        self._gathers = 0   # saves whose files the processes exchanged (each its own key)
         self.read_only = read_only
         self.log = log or _stderr
         try:
@@ -375,7 +377,8 @@ class RunCheckpointer:
         parts = None
         try:
             if self.parts:   # every process's files, recorded in each stage
-                union = gather_step_files(self.step_dir(step))
+                self._gathers += 1
+                union = gather_step_files(self.step_dir(step), f"fractus_jax/step_files/{step}/{self._gathers}")
                 write_checksums(self.step_dir(step), finite, {
                     item: {n[len(item) + 1:]: sha for n, (_, sha, _) in union.items() if n.startswith(item + "/")}
                     for item in ITEMS})

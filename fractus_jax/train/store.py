@@ -65,9 +65,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import jax
-from jax.experimental import multihost_utils
 
-from fractus_jax.train import rundir
+from fractus_jax.train import policy, rundir
 from fractus_jax.train.prepare import cache_dir
 from fractus_jax.train.rundir import (CHECKPOINTS, MANIFEST, METRICS, ORBAX_TMP, REJECTED, CheckpointError, RunDirBusy,
                                      RunLock)
@@ -142,7 +141,9 @@ def _filesystem(scheme: str):
         # gcsfs logs each request that ran out of tries with its traceback; the run's own
         # error line names the failure, the URL and the step the store holds
         logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
-    return fsspec.filesystem(scheme, skip_instance_cache=True)
+    # no listings cache: the store changes under this client (another process's part of a
+    # step, a run read while it trains), and a cached listing would hide that
+    return fsspec.filesystem(scheme, skip_instance_cache=True, use_listings_cache=False)
 
 
 # What each store's refusals name: the credentials it reads and the variable of its endpoint.
@@ -905,5 +906,7 @@ def open_mirror(url: str, stage=None, log: Log = print) -> Mirror:
     if count == 1:
         return Mirror(url, stage, log).open()
     mirror = Mirror(url, stage / f"process-{index}", log, index, count).open()
-    multihost_utils.sync_global_devices("fractus_jax: every stage pulled")
+    # a barrier of the coordination service, not of the devices: process 0 comes to it later
+    # (the lease), and a first device collective gives up when the processes are far apart
+    policy.runtime_client().wait_at_barrier("fractus_jax: every stage pulled", policy.WAIT_MS)
     return mirror
