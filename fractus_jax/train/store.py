@@ -150,8 +150,9 @@ def _filesystem(scheme: str):
 CREDENTIALS = {"s3": ("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"),
                "gs": ("GOOGLE_APPLICATION_CREDENTIALS", "`gcloud auth application-default login`")}
 ENDPOINTS = {"s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"), "gs": ("STORAGE_EMULATOR_HOST",)}
-
-
+# The field of an object's info (and of a PUT's answer) that the conditional PUTs name: its
+# ETag on s3://, its generation on gs://.
+VERSION_FIELD = {"s3": "ETag", "gs": "generation"}
 
 
 class Store:
@@ -212,7 +213,7 @@ class Store:
         """One PUT of the whole object."""
         self.fs.pipe_file(self.path(*parts), data)
 
-    # Conditional PUTs, the lease's: an object's version is its ETag on s3://, its generation on gs://.
+    # Conditional PUTs, the lease's: an object's version is its VERSION_FIELD.
 
     def version(self, *parts: str) -> Optional[str]:
         """The object's version; None when it does not exist."""
@@ -220,7 +221,8 @@ class Store:
             info = self.fs.info(self.path(*parts), refresh=True)
         except FileNotFoundError:
             return None
-        return str(info["generation"]) if self.scheme == "gs" else info.get("ETag")
+        version = info.get(VERSION_FIELD[self.scheme])
+        return None if version is None else str(version)
 
     def create(self, data: bytes, *parts: str) -> str:
         """A PUT that only creates (If-None-Match: *, ifGenerationMatch=0): FileExistsError
@@ -237,9 +239,8 @@ class Store:
         return self._version_of(answer, parts)
 
     def _version_of(self, answer, parts) -> str:
-        key = "generation" if self.scheme == "gs" else "ETag"
-        if isinstance(answer, dict) and answer.get(key) is not None:
-            return str(answer[key])
+        if isinstance(answer, dict) and answer.get(VERSION_FIELD[self.scheme]) is not None:
+            return str(answer[VERSION_FIELD[self.scheme]])
         return self.version(*parts)
 
     def _gcs_replace(self, data: bytes, version: str, parts) -> str:
