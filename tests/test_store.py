@@ -467,7 +467,11 @@ def test_a_kill_inside_an_upload_resumes_from_a_fresh_stage_bit_exact(where, res
     assert metrics_steps(stage) == [1, 2, 3, 4, 5, 6]
     assert [strict(x)["step"] for x in s3.read(bucket, "run/metrics.jsonl").decode().splitlines()] == [1, 2, 3, 4, 5, 6]
     assert strict(s3.read(bucket, "run/manifest.json").decode())["step"] == 6
-    assert store_steps(s3, bucket, "run") == sorted(int(p.name) for p in (stage / "checkpoints").iterdir())
+    # the store keeps the run's three newest steps; the new stage pulled only the one it resumed
+    assert store_steps(s3, bucket, "run") == [2, 4, 6]
+    assert sorted(int(p.name) for p in (stage / "checkpoints").iterdir()) == {2: [2, 4, 6], 4: [4, 6]}[resumed]
+    if where == "after the commit":
+        assert f"note: step 2 left in {url} (not pulled): the resume needs step 4 alone" in logs, logs
     assert "run/lease.json" not in s3.keys(bucket, "run/")
 
 
@@ -525,6 +529,56 @@ def test_a_rejected_step_saved_again_is_moved_aside_in_the_store(s3, bucket, str
     held = json.loads(s3.read(bucket, "run/checkpoints/4/committed.json"))["files"]
     assert held == {str(p.relative_to(stage / "checkpoints" / "4")): p.stat().st_size
                     for p in (stage / "checkpoints" / "4").rglob("*") if p.is_file()}
+
+
+def stage_steps(stage):
+    return sorted(int(p.name) for p in (stage / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_a_new_pod_pulls_only_the_step_it_resumes_from(s3, bucket, straight, tmp_path):
+    """The store holds steps 2 and 4 (keep_checkpoints=2): a new pod pulls step 4 alone, step 2
+    staying in the store as the run's; retention counts it, and step 6's commit retires it.
+    The run ends equal to one never interrupted."""
+    cfg6, straight_dir = straight
+    url = f"s3://{bucket}/run"
+    train_url(tiny(cfg6.corpus, "max_steps=4", "keep_checkpoints=2"), url, tmp_path / "pod-a")
+    assert store_steps(s3, bucket, "run") == [2, 4]
+    stage = tmp_path / "pod-b"
+    last, logs = train_url(tiny(cfg6.corpus, "max_steps=6", "keep_checkpoints=2"), url, stage)
+    pulled = [line.split()[2] for line in logs if line.startswith("pulling step ")]
+    assert pulled == ["4"], logs
+    assert f"note: step 2 left in {url} (not pulled): the resume needs step 4 alone" in logs, logs
+    assert f"resumed {stage} at step 4, lane offset {4 * cfg6.seq_len}" in logs, logs
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == stage_steps(stage) == [4, 6]
+    assert not s3.keys(bucket, "run/checkpoints/2/") and not s3.keys(bucket, "run/rejected/")
+
+
+def test_a_resume_that_rejects_the_pulled_step_fetches_the_older_ones(s3, bucket, straight, tmp_path, monkeypatch):
+    """Step 4 verifies (checksums, finite flags) but does not restore: the resume fetches the
+    step 2 the pull left in the store, falls back to it, moves the store's step 4 aside, and
+    ends equal to a run never interrupted."""
+    cfg6, straight_dir = straight
+    url = f"s3://{bucket}/run"
+    train_url(tiny(cfg6.corpus, "max_steps=4"), url, tmp_path / "pod-a")
+    real = ckpt_lib.RunCheckpointer.restore
+
+    def step_4_fails(self, abstract_state, step=None, items=("params", "opt_state", "extra")):
+        if step == 4:
+            raise OSError("a damaged file the checksums did not catch")
+        return real(self, abstract_state, step, items)
+
+    monkeypatch.setattr(ckpt_lib.RunCheckpointer, "restore", step_4_fails)
+    stage = tmp_path / "pod-b"
+    last, logs = train_url(cfg6, url, stage)
+    pulled = [line.split()[2] for line in logs if line.startswith("pulling step ")]
+    assert pulled == ["4", "2"], logs
+    assert ("warning: step 4: could not be restored; falling back to step 2 (OSError: a damaged file the "
+            "checksums did not catch)") in logs, logs
+    assert f"resumed {stage} at step 2, lane offset {2 * cfg6.seq_len}" in logs, logs
+    assert f"note: moved the rejected {url}/checkpoints/4 to {url}/rejected/4" in logs, logs
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == stage_steps(stage) == [2, 4, 6]
 
 
 def test_the_commands_train_on_a_url_resume_it_and_read_it(served, corpus_file, tmp_path, capsys, monkeypatch):

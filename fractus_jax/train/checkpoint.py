@@ -173,6 +173,17 @@ def check_files(step_dir: Path) -> tuple[str, Optional[str]]:
     return "ok", None
 
 
+def saved_unusable(step_dir: Path) -> Optional[str]:
+    """Why a committed step cannot be resumed, judged from its files alone (no array read):
+    its checksums fail, or it was saved holding NaN or Inf; None when it may be."""
+    status, why = check_files(step_dir)
+    if status == "bad":
+        return why
+    finite = (read_checksums(step_dir) or {}).get("finite") or {}
+    bad = sorted(k for k, ok in finite.items() if not ok)
+    return f"{' and '.join(bad)} held NaN or Inf when saved" if bad else None
+
+
 @jax.jit
 def _finite_flags(tree):
     return [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
@@ -411,13 +422,20 @@ class RunCheckpointer:
         """Keep the newest `keep` steps and the newest good one; delete the others."""
         if not self.keep or self.keep < 1:
             return
-        steps = sorted(self.manager.all_steps())
+        # A staged run's committed steps that the stage did not pull count as the run's too:
+        # each is older than the good step pulled, so it is never the newest good one.
+        deferred = set(self.mirror.deferred) if self.mirror is not None else set()
+        steps = sorted(set(self.manager.all_steps()) | deferred)
         keep = set(steps[-self.keep:])
-        good = [s for s in steps if self._is_good(s)]
+        good = [s for s in steps if s not in deferred and self._is_good(s)]
         if good:
             keep.add(good[-1])
         for s in steps:
-            if s not in keep:
+            if s in keep:
+                continue
+            if s in deferred:
+                self.mirror.let_go(s)   # the store's copy goes after this step's commit
+            else:
                 self.manager.delete(s)
                 self._good.pop(s, None)
 
@@ -474,7 +492,11 @@ class RunCheckpointer:
                     self._record_missing_checksums(step)
                     return step, state, dict(meta), rejected
             rejected.append((step, why))
-            step, meta, more, _ = newest_good_step(self.workdir, below=step)
+            below = step
+            step, meta, more, _ = newest_good_step(self.workdir, below=below)
+            if step is None and self.mirror is not None and self.mirror.fetch_deferred():
+                self.reload()   # the older steps the stage had left in the store, now here
+                step, meta, more, _ = newest_good_step(self.workdir, below=below)
             rejected += more
             if step is not None and usable is not None and usable(meta):
                 raise CheckpointError(no_good_step_message(self.workdir, rejected, f"step {step} {usable(meta)}"))

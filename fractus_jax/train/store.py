@@ -14,9 +14,12 @@ as in a local run directory, and the store is its truth:
     URL/manifest.json                   uploaded after each commit
     URL/rejected/<step>/...             steps a resume rejected, moved aside
 
-At the start the lease is taken and the store's committed steps and logs are pulled into the
-stage; a step the store does not hold as committed (an upload that was cut) is deleted from
-the store, and a stage step the store lacks is moved aside to STAGE/unpushed/. After each
+At the start the lease is taken and the store's logs and newest committed step are pulled into
+the stage: steps newest first until one verifies (its checksums, its finite flags), the older
+ones left in the store (`Mirror.deferred`: retention counts them, and a resume that rejects
+every stage step fetches them); a step the store does not hold as committed (an upload that
+was cut) is deleted from the store, and a stage step the store lacks is moved aside to
+STAGE/unpushed/. After each
 local commit (checksums and manifest written) the step is uploaded in a background thread:
 its files, the logs, then committed.json, then the manifest; retention and rejections are
 then mirrored. A store is never asked to append, rename or lock: every object is written
@@ -30,8 +33,8 @@ zarr chunk files, since OCDBT merges every process's files in one directory). Af
 the processes exchange their files' names, sizes and sha256; each file goes to the store
 from the lowest process that holds it, every process uploading its share; process 0, which
 alone holds the lease and writes the logs, commits the step once the store holds every file
-of it (`PARTS_WAIT_SECONDS`). At the start each process pulls every committed step whole:
-Orbax then restores from each stage as from a shared disk.
+of it (`PARTS_WAIT_SECONDS`). At the start each process pulls the step it resumes from
+whole: Orbax then restores from each stage as from a shared disk.
 
 Why a stage rather than Orbax writing to the bucket: orbax-checkpoint 0.12.8 hands array
 writes to tensorstore's own driver for gs:// only, and refuses an s3:// directory ("Checkpoint
@@ -66,6 +69,7 @@ from typing import Callable, Iterator, Optional
 
 import jax
 
+from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import policy, rundir
 from fractus_jax.train.prepare import cache_dir
 from fractus_jax.train.rundir import (CHECKPOINTS, MANIFEST, METRICS, ORBAX_TMP, REJECTED, CheckpointError, RunDirBusy,
@@ -521,6 +525,9 @@ class Mirror:
         self._pushes = collections.deque(maxlen=RECENT_PUSHES)
         self._guess = 0.0
         self._sizes: dict[str, int] = {}          # log files as last uploaded
+        # committed steps older than the one the resume needs, left in the store by the pull:
+        # part of the run (retention lets them go: `let_go`), fetched if the resume needs them
+        self.deferred: set[int] = set()
         self._closed = False
 
     # -- start
@@ -567,6 +574,7 @@ class Mirror:
         return self.count > 1
 
     def _pull(self) -> None:
+        self.deferred = set()
         steps = store_steps(self.store)
         for step in sorted(s for s, record in steps.items() if record is None):
             if self.lead:   # the lease holder's to clean; the others only read what is committed
@@ -587,9 +595,25 @@ class Mirror:
                 elif record is None or held != record.get("files"):
                     moved = rundir.move_aside(p, self.stage / UNPUSHED)
                     self.log(f"note: moved {p} to {moved}: {self.url} does not hold it as committed")
-        for step in sorted(steps):
-            if not (local / str(step)).exists() or step in parts:
+        # Newest first, until a step verifies (its checksums, its finite flags): a resume needs
+        # that step alone. The older ones stay in the store (`deferred`) unless the stage holds
+        # them whole; a resume that rejects the step fetches them (`fetch_deferred`).
+        resumable = None
+        for step in sorted(steps, reverse=True):
+            missing = not (local / str(step)).exists() or step in parts
+            if resumable is not None:
+                if missing:
+                    self.deferred.add(step)
+                    if step in parts:   # this process's part: the store holds the step whole
+                        shutil.rmtree(parts[step])
+                continue
+            if missing:
                 fetch_step(self.store, step, steps[step]["files"], local, self.log, have=parts.get(step))
+            if ckpt_lib.saved_unusable(local / str(step)) is None:
+                resumable = step
+        if self.deferred:
+            self.log(f"note: step{'s' * (len(self.deferred) > 1)} {_and(sorted(self.deferred))} left in {self.url} "
+                     f"(not pulled): the resume needs step {resumable} alone")
         for name in (METRICS, MANIFEST):
             path = self.stage / name
             if path.exists():
@@ -603,6 +627,28 @@ class Mirror:
         self.committed = max(steps) if steps else None
         if self.lead:
             self._remove_gone(set(steps))
+
+    def fetch_deferred(self) -> bool:
+        """Fetch the committed steps the pull left in the store (a resume rejected every step
+        the stage holds); False when there are none."""
+        if not self.deferred:
+            return False
+        try:
+            records = store_steps(self.store)
+            for step in sorted(self.deferred, reverse=True):
+                if records.get(step) is not None:
+                    fetch_step(self.store, step, records[step]["files"], self.stage / CHECKPOINTS, self.log)
+        except CheckpointError:
+            raise
+        except Exception as e:   # noqa: BLE001 - the store or the disk
+            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {rundir.reason(e)}") from None
+        self.deferred.clear()
+        return True
+
+    def let_go(self, step: int) -> None:
+        """Retention let a step the pull left in the store go: retired from the store with the
+        next commit."""
+        self.deferred.discard(step)
 
     def resumed(self) -> None:
         """After a resume moved rejected steps aside in the stage: the store's copies moved to
@@ -721,7 +767,7 @@ class Mirror:
         deleted where retention let them go (their commit first)."""
         local = self.stage / CHECKPOINTS
         held = {int(p.name) for p in local.iterdir() if p.name.isdigit()} if local.is_dir() else set()
-        for step in sorted(in_store - held):
+        for step in sorted(in_store - held - self.deferred):
             self._retire(step)
 
     def _retire(self, step: int) -> None:
@@ -760,6 +806,10 @@ class Mirror:
                 self._pool.shutdown(wait=True)
             self.lease.release()
             self.lock.release()
+
+
+def _and(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:-1])) + " and " * (len(steps) > 1) + str(steps[-1])
 
 
 def store_steps(store: Store) -> dict[int, Optional[dict]]:
