@@ -99,7 +99,8 @@ class S3Server(LocalServer):
 
 class Relay:
     """127.0.0.1:<port> relayed to the server; `cut()` refuses new connections and drops the
-    open ones (the store stopped), `restore()` listens again on the same port."""
+    open ones (the store stopped), `restore()` listens again on the same port; `stall()`
+    answers nothing."""
 
     def __init__(self, target_port: int):
         self.target = target_port
@@ -108,6 +109,7 @@ class Relay:
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._listener = None
+        self._stalled = threading.Event()
         self.restore()
 
     def restore(self) -> None:
@@ -137,7 +139,8 @@ class Relay:
                     data = s.recv(65536)
                     if not data:
                         return
-                    (b if s is a else a).sendall(data)
+                    if not self._stalled.is_set():
+                        (b if s is a else a).sendall(data)
         except OSError:
             return
         finally:
@@ -146,6 +149,11 @@ class Relay:
                     s.close()
                 except OSError:
                     pass
+
+    def stall(self, on: bool = True) -> None:
+        """Connections accepted and held, what comes in read and dropped, nothing answered (a
+        store that stopped answering without closing anything); off again with on=False."""
+        (self._stalled.set if on else self._stalled.clear)()
 
     def cut(self) -> None:
         try:   # wakes the accepting thread: a close alone leaves it listening until one more connection

@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -475,29 +476,56 @@ def test_a_kill_inside_an_upload_resumes_from_a_fresh_stage_bit_exact(where, res
     assert "run/lease.json" not in s3.keys(bucket, "run/")
 
 
-def test_a_store_cut_inside_an_upload_loses_nothing_committed(served, straight, tmp_path, monkeypatch):
-    """The store stops answering as step 4's upload starts: the run stops saying what failed and
-    which step the store holds; with the store back, the same URL resumes to the same state."""
+def ended(seconds, fn):
+    """fn(), in a thread given `seconds` to end: a call that hangs fails the test rather than
+    the suite."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:   # noqa: BLE001 - raised below, in the test's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn} had not ended after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@pytest.mark.parametrize("how", ["cut", "stall"])
+def test_a_store_cut_inside_an_upload_loses_nothing_committed(how, served, straight, tmp_path, monkeypatch):
+    """The store stops as step 4's files are sent, closing its connections (cut) or holding
+    them and answering nothing (stall, bounded by the clients' read timeout): the run stops
+    saying what failed and which step the store holds; with the store back, the same URL
+    resumes to the same state."""
     cfg6, straight_dir = straight
     s3, url = served   # either kind of store
     bucket = url.split("/")[2]
     relay = Relay(s3.port)
     set_env(monkeypatch, s3.env(relay.endpoint))
-    real = store.Mirror._upload_step
+    monkeypatch.setattr(store, "READ_SECONDS", 1.0)
+    real = store.Store.put
 
-    def cut_at_4(self, step, parts=None):
-        if step == 4:
-            relay.cut()
-        return real(self, step, parts)
+    def stop_at_4(self, local, remote):   # as the first file of step 4 is sent
+        if any(r.startswith(f"{store.CHECKPOINTS}/4/") for r in remote):
+            relay.cut() if how == "cut" else relay.stall()
+        return real(self, local, remote)
 
-    monkeypatch.setattr(store.Mirror, "_upload_step", cut_at_4)
+    monkeypatch.setattr(store.Store, "put", stop_at_4)
     with pytest.raises(rundir.RunDirIOError) as e:
-        train_url(cfg6, url, tmp_path / "pod-a")
+        ended(600, lambda: train_url(cfg6, url, tmp_path / "pod-a"))
     assert str(e.value).startswith(f"cannot upload step 4 to {url}/checkpoints/4: ")
     assert str(e.value).endswith(f"; {url} holds step 2 (the same command resumes from it)")
+    if how == "stall":
+        assert ("Read timeout on endpoint URL" in str(e.value) if url.startswith("s3") else
+                "the store did not answer (no byte for 1 s, on each of the client's tries)" in str(e.value)), e.value
     assert store_steps(s3, bucket, "run") == [2]
-    monkeypatch.setattr(store.Mirror, "_upload_step", real)
-    relay.restore()
+    monkeypatch.setattr(store.Store, "put", real)
+    relay.restore() if how == "cut" else relay.stall(False)
     stage = tmp_path / "pod-b"
     last, logs = train_url(cfg6, url, stage)
     assert f"resumed {stage} at step 2, lane offset {2 * cfg6.seq_len}" in logs, logs

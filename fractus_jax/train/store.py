@@ -93,6 +93,11 @@ RECENT_PUSHES = 5
 # of it: it waits this long after its own upload ended (a dead peer ends the run sooner).
 PARTS_WAIT_SECONDS = 600.0
 PARTS_POLL_SECONDS = 0.5
+# A store request that gets no byte back for this long fails (and is tried again by the
+# client library: s3fs and botocore, gcsfs); so does a connection not made in CONNECT_SECONDS.
+# A store that stops answering fails the run's upload in minutes, not never.
+READ_SECONDS = 15.0
+CONNECT_SECONDS = 10.0
 
 # scheme -> (the module fsspec needs for it, the extra that installs it); None: not served yet
 SCHEMES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gs")}
@@ -139,15 +144,40 @@ def default_stage(url: str) -> Path:
     return cache_dir() / "stage" / scheme / rest.strip("/")
 
 
+def _reason(e: BaseException) -> str:
+    """rundir.reason, with words for a timeout that has none (gcsfs's)."""
+    if isinstance(e, TimeoutError) and not str(e).strip():
+        return f"the store did not answer (no byte for {READ_SECONDS:g} s, on each of the client's tries)"
+    return rundir.reason(e)
+
+
+def _no_expect(params, **kwargs):
+    """An S3 request without "Expect: 100-continue" (botocore asks it of every PUT): aiohttp
+    waits for the interim answer with no timeout, so a store that stops answering would hold
+    the PUT for ever; without it, the read timeout bounds every request. (The body goes out
+    before a refusal is seen: a part of 50 MiB at most.)"""
+    params.get("headers", {}).pop("Expect", None)
+
+
 def _filesystem(scheme: str):
-    import fsspec   # installed with the s3 and gs extras: imported only when a URL is used
-    if scheme == "gs":
-        # gcsfs logs each request that ran out of tries with its traceback; the run's own
-        # error line names the failure, the URL and the step the store holds
-        logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+    # installed with the s3 and gs extras: imported only when a URL is used
+    import aiohttp
+    import fsspec
     # no listings cache: the store changes under this client (another process's part of a
     # step, a run read while it trains), and a cached listing would hide that
-    return fsspec.filesystem(scheme, skip_instance_cache=True, use_listings_cache=False)
+    common = {"skip_instance_cache": True, "use_listings_cache": False}
+    if scheme == "s3":
+        from aiobotocore.session import AioSession
+        session = AioSession()
+        session.register("before-call.s3", _no_expect)   # after botocore's own handler
+        return fsspec.filesystem("s3", session=session, **common, config_kwargs={
+            "read_timeout": READ_SECONDS, "connect_timeout": CONNECT_SECONDS})
+    # gcsfs logs each request that ran out of tries with its traceback; the run's own error
+    # line names the failure, the URL and the step the store holds
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+    # gcsfs sets no timeout of its own: without one, a request to a silent store never ends
+    return fsspec.filesystem("gs", **common, requests_timeout=aiohttp.ClientTimeout(
+        sock_connect=CONNECT_SECONDS, sock_read=READ_SECONDS))
 
 
 # What each store's refusals name: the credentials it reads and the variable of its endpoint.
@@ -193,7 +223,7 @@ class Store:
             raise CheckpointError(f"{self.url}: the bucket {self.bucket} does not exist (or this endpoint does "
                                   f"not serve it){self._endpoint_words()}; create it first") from None
         except PermissionError as e:
-            raise CheckpointError(f"{self.url}: access refused ({rundir.reason(e)}); check the credentials "
+            raise CheckpointError(f"{self.url}: access refused ({_reason(e)}); check the credentials "
                                   "({}, or {})".format(*CREDENTIALS[self.scheme])) from None
         except Exception as e:   # noqa: BLE001 - no credentials, no network, a bad endpoint
             # botocore's, google-auth's
@@ -201,7 +231,7 @@ class Store:
                 raise CheckpointError(f"{self.url}: no credentials found; set "
                                       "{} (or {})".format(*CREDENTIALS[self.scheme])) from None
             raise CheckpointError(f"{self.url}: cannot reach the store{self._endpoint_words()} "
-                                  f"({rundir.reason(e)})") from None
+                                  f"({_reason(e)})") from None
 
     def _endpoint_words(self) -> str:
         endpoint = next((os.environ[v] for v in ENDPOINTS[self.scheme] if os.environ.get(v)), None)
@@ -282,6 +312,14 @@ class Store:
         if files:
             self.fs.rm([self.path(*parts, f) for f in files])
 
+    def delete(self, *parts: str) -> None:
+        """One object."""
+        self.fs.rm(self.path(*parts))
+
+    def copy(self, src: tuple[str, ...], dst: tuple[str, ...]) -> None:
+        """One object, copied inside the store."""
+        self.fs.copy(self.path(*src), self.path(*dst))
+
     def put(self, local: list[Path], remote: list[str]) -> None:
         if local:
             self.fs.put([str(p) for p in local], [self.path(r) for r in remote])
@@ -358,12 +396,12 @@ class Lease:
                 self.store.replace(b"4", version, probe)
             except OSError as e:
                 raise CheckpointError(f"{self.store.url}: this store refuses a PUT naming the object's own version "
-                                      f"({rundir.reason(e)}), so the run's lease could never be renewed; "
+                                      f"({_reason(e)}), so the run's lease could never be renewed; "
                                       "use a store that honours conditional writes (AWS S3, Google Cloud Storage, "
                                       "MinIO, recent Ceph and R2 do)") from None
         finally:
             try:
-                self.store.fs.rm(self.store.path(probe))
+                self.store.delete(probe)
             except Exception:   # noqa: BLE001 - a stray probe object harms nothing
                 pass
 
@@ -427,7 +465,7 @@ class Lease:
                 if mine:   # our PUT was taken and its answer lost
                     self.version, self._renewed = current, time.monotonic()
                 else:
-                    self.lost = f"another process took the lease ({rundir.reason(e)})"
+                    self.lost = f"another process took the lease ({_reason(e)})"
                 return
             self.version, self._renewed = version, time.monotonic()
 
@@ -456,7 +494,7 @@ class Lease:
         with self._lock:
             try:
                 if self.version is not None and not self.lost and self.store.version(LEASE) == self.version:
-                    self.store.fs.rm(self.store.path(LEASE))
+                    self.store.delete(LEASE)
             except Exception:   # noqa: BLE001 - a store that does not answer: the lease expires
                 pass
             self.version = None
@@ -547,7 +585,7 @@ class Mirror:
             raise
         except Exception as e:   # noqa: BLE001 - refused writes, a store gone since check_access
             self.lock.release()
-            raise CheckpointError(f"{self.url}: cannot take the run's lease ({rundir.reason(e)}); the credentials "
+            raise CheckpointError(f"{self.url}: cannot take the run's lease ({_reason(e)}); the credentials "
                                   "must be allowed to write there") from None
         try:
             self.pull()
@@ -566,7 +604,7 @@ class Mirror:
         except CheckpointError:
             raise
         except Exception as e:   # noqa: BLE001 - the store or the disk
-            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {rundir.reason(e)}") from None
+            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {_reason(e)}") from None
 
     @property
     def parts(self) -> bool:
@@ -641,7 +679,7 @@ class Mirror:
         except CheckpointError:
             raise
         except Exception as e:   # noqa: BLE001 - the store or the disk
-            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {rundir.reason(e)}") from None
+            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {_reason(e)}") from None
         self.deferred.clear()
         return True
 
@@ -661,7 +699,7 @@ class Mirror:
         except RunDirBusy:
             raise
         except Exception as e:   # noqa: BLE001 - the store or the network
-            raise rundir.RunDirIOError(f"cannot move the rejected steps aside in {self.url}: {rundir.reason(e)}; "
+            raise rundir.RunDirIOError(f"cannot move the rejected steps aside in {self.url}: {_reason(e)}; "
                                        f"{self._store_words()}") from None
 
     def expect(self, whole_bytes: int) -> None:
@@ -703,7 +741,7 @@ class Mirror:
             raise
         except Exception as e:   # noqa: BLE001 - the store, the network, the disk
             raise rundir.RunDirIOError(
-                f"cannot upload step {step} to {self.store.url_of(CHECKPOINTS, str(step))}: {rundir.reason(e)}; "
+                f"cannot upload step {step} to {self.store.url_of(CHECKPOINTS, str(step))}: {_reason(e)}; "
                 f"{self._store_words()}") from None
         self._pushes.append(time.time() - started)
 
@@ -775,11 +813,11 @@ class Mirror:
         URL/rejected/<step> first when the stage rejected it."""
         prefix = f"{CHECKPOINTS}/{step}"
         if self.store.exists(prefix, COMMITTED):
-            self.store.fs.rm(self.store.path(prefix, COMMITTED))
+            self.store.delete(prefix, COMMITTED)
         if (self.stage / REJECTED / str(step)).exists():
             files = self.store.files(prefix)
             for n in files:
-                self.store.fs.copy(self.store.path(prefix, n), self.store.path(REJECTED, str(step), n))
+                self.store.copy((prefix, n), (REJECTED, str(step), n))
             self.log(f"note: moved the rejected {self.store.url_of(prefix)} to {self.store.url_of(REJECTED, str(step))}")
         self.store.remove(prefix)
 
@@ -798,7 +836,7 @@ class Mirror:
             if not quiet and isinstance(e, (rundir.RunDirIOError, RunDirBusy)):
                 raise   # the upload's own words: the step, the URL, what the store holds
             if not quiet:
-                raise rundir.RunDirIOError(f"cannot upload to {self.url}: {rundir.reason(e)}; "
+                raise rundir.RunDirIOError(f"cannot upload to {self.url}: {_reason(e)}; "
                                            f"{self._store_words()}") from None
             self.log(f"warning: while stopping: {e}")
         finally:
@@ -911,7 +949,7 @@ def readable(value: str, step: Optional[int] = None, log: Log = print) -> str:
     except CheckpointError:
         raise
     except Exception as e:   # noqa: BLE001 - the store or the disk
-        raise CheckpointError(f"cannot fetch {value}: {rundir.reason(e)}") from None
+        raise CheckpointError(f"cannot fetch {value}: {_reason(e)}") from None
     return str(checkpoints / str(want)) if named is not None else str(local)
 
 
