@@ -35,7 +35,8 @@ MESHES = [(2, 4), (8, 1)]
 # The sharded bound, leaf by leaf: |w_mesh − w_one| ≤ LEAF_TOL · |w_one − w_init| for every
 # trained leaf, so that each leaf moved by 10 times its difference at least; over the whole
 # tree TREE_TOL. Measured 1.2e-2 on the worst leaf and 4.6e-3 over the tree (`-s` prints
-# them); on earlier versions of the test corpus (built from this package's sources) up to
+# them); on earlier versions of the test corpus (built from this package's sources of the day,
+# before it was kept in tests/data) up to
 # 7.4e-2 on a leaf and 3.8e-2 over the tree: under bfloat16 a few tokens near a top-k
 # tie route differently on another mesh, which changes the small, cancelling gradients of
 # the routing-only leaves (the oscillators' base-phase biases) and of the expert factors
@@ -204,7 +205,7 @@ def test_sharded_steps_differ_from_one_device_by_a_small_part_of_each_leafs_upda
 # largest measured (`-s` prints them); and at least BF16_MIN_SHARE over the tree, so a step
 # that ignored compute_dtype (the float32 step itself) fails.
 # Measured over the tree 5.6e-3; on the worst leaf 4.3e-2 (the experts' scale1) on one version
-# of the test corpus (built from this package's sources) and 0.60 on another (norm_kur/bias, a
+# of the test corpus (built from this package's sources of the day) and 0.60 on another (norm_kur/bias, a
 # leaf the loss reaches only through the routing, whose small gradient cancels over the batch):
 # a leaf's share is bounded by its own update, the tree's tightly.
 BF16_LEAF_SHARE, BF16_TREE_SHARE, BF16_MIN_SHARE = 1.0, 0.02, 1e-3
