@@ -167,11 +167,11 @@ def _filesystem(scheme: str):
     # step, a run read while it trains), and a cached listing would hide that
     common = {"skip_instance_cache": True, "use_listings_cache": False}
     if scheme == "s3":
-        from aiobotocore.session import AioSession
-        session = AioSession()
-        session.register("before-call.s3", _no_expect)   # after botocore's own handler
-        return fsspec.filesystem("s3", session=session, **common, config_kwargs={
+        fs = fsspec.filesystem("s3", **common, config_kwargs={
             "read_timeout": READ_SECONDS, "connect_timeout": CONNECT_SECONDS})
+        # on the one client s3fs makes and keeps: after botocore's own handler, which adds it
+        fs.s3.meta.events.register("before-call.s3", _no_expect)
+        return fs
     # gcsfs logs each request that ran out of tries with its traceback; the run's own error
     # line names the failure, the URL and the step the store holds
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
