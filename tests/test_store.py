@@ -80,6 +80,11 @@ def store_steps(s3, bucket, run):
                   if k.endswith("/" + store.COMMITTED))
 
 
+def stage_steps(stage):
+    """The steps a stage holds."""
+    return sorted(int(p.name) for p in (stage / "checkpoints").iterdir() if p.name.isdigit())
+
+
 # ----------------------------------------------------------------------------- URLs
 
 @pytest.mark.parametrize("url, words", [
@@ -470,7 +475,7 @@ def test_a_kill_inside_an_upload_resumes_from_a_fresh_stage_bit_exact(where, res
     assert strict(s3.read(bucket, "run/manifest.json").decode())["step"] == 6
     # the store keeps the run's three newest steps; the new stage pulled only the one it resumed
     assert store_steps(s3, bucket, "run") == [2, 4, 6]
-    assert sorted(int(p.name) for p in (stage / "checkpoints").iterdir()) == {2: [2, 4, 6], 4: [4, 6]}[resumed]
+    assert stage_steps(stage) == {2: [2, 4, 6], 4: [4, 6]}[resumed]
     if where == "after the commit":
         assert f"note: step 2 left in {url} (not pulled): the resume needs step 4 alone" in logs, logs
     assert "run/lease.json" not in s3.keys(bucket, "run/")
@@ -557,10 +562,6 @@ def test_a_rejected_step_saved_again_is_moved_aside_in_the_store(s3, bucket, str
     held = json.loads(s3.read(bucket, "run/checkpoints/4/committed.json"))["files"]
     assert held == {str(p.relative_to(stage / "checkpoints" / "4")): p.stat().st_size
                     for p in (stage / "checkpoints" / "4").rglob("*") if p.is_file()}
-
-
-def stage_steps(stage):
-    return sorted(int(p.name) for p in (stage / "checkpoints").iterdir() if p.name.isdigit())
 
 
 def test_a_new_pod_pulls_only_the_step_it_resumes_from(s3, bucket, straight, tmp_path):

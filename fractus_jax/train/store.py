@@ -599,8 +599,14 @@ class Mirror:
     def pull(self) -> None:
         """Make the stage the store's committed run: leftovers of cut uploads deleted from the
         store, stage steps the store lacks set aside, the store's steps and logs fetched."""
-        try:
+        with self._pulling():
             self._pull()
+
+    @contextlib.contextmanager
+    def _pulling(self):
+        """A failure of the store or the disk while fetching into the stage: CheckpointError."""
+        try:
+            yield
         except CheckpointError:
             raise
         except Exception as e:   # noqa: BLE001 - the store or the disk
@@ -650,8 +656,9 @@ class Mirror:
             if ckpt_lib.saved_unusable(local / str(step)) is None:
                 resumable = step
         if self.deferred:
-            self.log(f"note: step{'s' * (len(self.deferred) > 1)} {_and(sorted(self.deferred))} left in {self.url} "
-                     f"(not pulled): the resume needs step {resumable} alone")
+            left = ", ".join(map(str, sorted(self.deferred)))
+            self.log(f"note: step{'s' * (len(self.deferred) > 1)} {left} left in {self.url} (not pulled): the resume "
+                     f"needs step {resumable} alone")
         for name in (METRICS, MANIFEST):
             path = self.stage / name
             if path.exists():
@@ -671,15 +678,11 @@ class Mirror:
         the stage holds); False when there are none."""
         if not self.deferred:
             return False
-        try:
+        with self._pulling():
             records = store_steps(self.store)
             for step in sorted(self.deferred, reverse=True):
                 if records.get(step) is not None:
                     fetch_step(self.store, step, records[step]["files"], self.stage / CHECKPOINTS, self.log)
-        except CheckpointError:
-            raise
-        except Exception as e:   # noqa: BLE001 - the store or the disk
-            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {_reason(e)}") from None
         self.deferred.clear()
         return True
 
@@ -844,10 +847,6 @@ class Mirror:
                 self._pool.shutdown(wait=True)
             self.lease.release()
             self.lock.release()
-
-
-def _and(steps: list[int]) -> str:
-    return ", ".join(map(str, steps[:-1])) + " and " * (len(steps) > 1) + str(steps[-1])
 
 
 def store_steps(store: Store) -> dict[int, Optional[dict]]:
