@@ -87,8 +87,8 @@ def corpus_file(tmp_path_factory):
     """936,001 ids of real text and code: this package's 91 Python sources of 2026-12-04, read
     in sorted order and encoded with the Atom encoder, kept in tests/data/corpus.u16.xz. Kept
     rather than rebuilt from today's sources: the tests' data then does not change with the
-    code, and neither do the figures that depend on it (a float32 step's distance from the
-    float64 one, where a routing choice can flip)."""
+    code, and neither do the figures that depend on it (a float32 step's distance from
+    PyTorch's)."""
     import lzma
     from pathlib import Path
 

@@ -26,6 +26,7 @@ from fractus_jax.convert import files, names, optim, run  # noqa: E402
 from fractus_jax.convert.__main__ import main as cli  # noqa: E402
 from fractus_jax.lanes import LaneReader  # noqa: E402
 from fractus_jax.reference import FractusEngine  # noqa: E402
+from fractus_jax.reference import functional as Fn  # noqa: E402
 from fractus_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from fractus_jax.train import config as cfg_lib  # noqa: E402
 from fractus_jax.train import loop  # noqa: E402
@@ -341,6 +342,61 @@ def _rel(got, want, floor: float = 0.0) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), floor, 1e-30))
 
 
+# A float32 step is compared with PyTorch's on a batch where float32 cannot change a top-k
+# choice. A position whose K-th and (K+1)-th float64 gates lie within TIE_MARGIN of each other
+# is a near tie: 50× the largest float32 gate error measured on these tests' batches (6.1e-6,
+# the reference engine in float32 against float64), so no float32 program, on any CPU, picks
+# other experts there than float64 does. Near ties are counted in the first draw (at most
+# NEAR_TIE_RATE of its positions·layers); each row holding one is redrawn until none does.
+TIE_MARGIN = 3e-4
+NEAR_TIE_RATE = 0.01
+
+
+def _gates(engine, ids, cfg, dtype) -> np.ndarray:
+    """(layers, B, C, E) each block's gates on ids[:, :-1], from a copy of the engine (its
+    weights and carry) in dtype."""
+    copy_ = FractusEngine(**cfg.model.torch_kwargs())
+    copy_.load_state_dict(engine.state_dict(), strict=True)
+    copy_.to(dtype)
+    gates = []
+
+    def hook(module, inputs, _output):
+        gates.append(Fn.phase_gates(inputs[1], module.expert_phases, module.kappa_eff).detach().double().numpy())
+
+    for block in copy_.blocks:
+        block.moe.register_forward_hook(hook)
+    with torch.no_grad():
+        copy_(ids[:, :-1])
+    return np.stack(gates)
+
+
+def _near_ties(gates: np.ndarray, top_k: int) -> np.ndarray:
+    """(layers, B, C): the K-th and (K+1)-th gates within TIE_MARGIN."""
+    ranked = -np.sort(-gates, axis=-1)
+    return ranked[..., top_k - 1] - ranked[..., top_k] < TIE_MARGIN
+
+
+def _clear_of_ties(engine, ids, cfg, seed: int):
+    """ids with every row that holds a near tie (float64) redrawn, until none does; the
+    first draw's near ties are counted and bounded, and float32's gate error is checked far
+    inside the margin."""
+    g = torch.Generator().manual_seed(seed)
+    ties = _near_ties(_gates(engine, ids, cfg, torch.float64), cfg.model.top_k)
+    print(f"near top-k ties: {int(ties.sum())}/{ties.size} positions·layers")
+    assert ties.mean() <= NEAR_TIE_RATE, (int(ties.sum()), ties.size)
+    for _ in range(20):
+        rows = np.nonzero(ties.any(axis=(0, 2)))[0]
+        if not len(rows):
+            break
+        ids = ids.clone()
+        ids[torch.from_numpy(rows)] = torch.randint(0, cfg.model.vocab_size, (len(rows), ids.shape[1]), generator=g)
+        ties = _near_ties(_gates(engine, ids, cfg, torch.float64), cfg.model.top_k)
+    assert not ties.any()
+    error = np.abs(_gates(engine, ids, cfg, torch.float32) - _gates(engine, ids, cfg, torch.float64)).max()
+    assert error < TIE_MARGIN / 10, error
+    return ids
+
+
 def _float64_step(engine, opt, ids, cfg, step):
     """The same PyTorch step in float64, on copies of the engine (its carry included) and the
     optimizer, at the float32 lr the JAX trainer holds: (engine, opt) after it."""
@@ -388,11 +444,36 @@ FLOAT32_BOUND = {"plain": 1e-4, "cpu": 1e-4}
 BROKEN_UPDATE = 1e-3
 
 
-def _one_step_figures(before, jax_state, engine, opt, cfg) -> dict:
+# AdamW moves an element by m̂/(√v̂ + ε). Where √v̂ is not 0 but within ILL_CONDITIONED·ε
+# of it, the element's gradient is of ε's size, a sum of far larger terms that cancel, and
+# float32's rounding of that sum is a large share of it; the step follows that share. Seen
+# on one version of the tests' corpus: one element of blocks.1.moe.U1 at m = -1.52e-10 in
+# float32 against -1.44e-10 in float64, 5% apart; such elements took that leaf's float32
+# update figure to 1.6e-4, and without them (82 of 39,294 elements) the largest figure is
+# 3.6e-5. A float32 update is compared without those elements (their moments are compared
+# with the rest); they are counted, at most ILL_CONDITIONED_RATE of the elements reached.
+ILL_CONDITIONED = 10.0
+ILL_CONDITIONED_RATE = 0.01
+
+
+def _ill_conditioned(opt64, cfg) -> dict:
+    """name → the elements whose float64 step (opt64, after it) has 0 < √v̂ < ILL_CONDITIONED·ε."""
+    names = [n for n, _ in optim.torch_parameters(cfg.model)]
+    out = {}
+    for i, entry in opt64.state_dict()["state"].items():
+        v_hat = entry["exp_avg_sq"].numpy() / (1.0 - cfg.b2 ** float(entry["step"]))
+        out[names[i]] = (v_hat > 0) & (np.sqrt(v_hat) < ILL_CONDITIONED * cfg.eps)
+    return out
+
+
+def _one_step_figures(before, jax_state, engine, opt, cfg, ill=None) -> dict:
     """(name, slot) → |jax − torch| over the leaf (`_rel`) of one step on each side from
     `before`, against the larger of the leaf's own norm and a leaf of its size at the slot's
-    typical element (`_typical_floor`)."""
+    typical element (`_typical_floor`); the update without the elements `ill` names."""
     got, want = _step_figures(jax_state, engine, opt, before, cfg)
+    for name, mask in (ill or {}).items():
+        for side in (got, want):
+            side[name]["update"] = np.where(mask, 0.0, side[name]["update"])
     slots = ("update", *MOMENTS)
     floor = {slot: _typical_floor([want[name][slot] for name in want]) for slot in slots}
     return {(name, slot): _rel(got[name][slot], want[name][slot], floor[slot](want[name][slot]))
@@ -431,12 +512,17 @@ def _assert_one_step_alike(before, torch_side, jax32: dict, torch64, jax64, cfg)
     FLOAT64_BOUND, float32 within FLOAT32_BOUND of its kernels, and a broken step caught.
     Returns the largest figures."""
     worst = {"float64": _assert_within(_one_step_figures(before, jax64, *torch64, cfg), FLOAT64_BOUND, "float64")}
+    ill = _ill_conditioned(torch64[1], cfg)
+    n_ill, n_reached = sum(int(m.sum()) for m in ill.values()), sum(m.size for m in ill.values())
+    print(f"ill-conditioned AdamW elements: {n_ill}/{n_reached}")
+    assert n_ill <= ILL_CONDITIONED_RATE * n_reached
     for kernels, state in jax32.items():
         bound = FLOAT32_BOUND[kernels]
-        worst[f"float32 {kernels}"] = _assert_within(_one_step_figures(before, state, *torch_side, cfg), bound,
+        worst[f"float32 {kernels}"] = _assert_within(_one_step_figures(before, state, *torch_side, cfg, ill), bound,
                                                      f"float32, {kernels} kernels")
         with pytest.raises(AssertionError):
-            _assert_within(_one_step_figures(before, _broken(state, before, cfg), *torch_side, cfg), bound, "broken")
+            _assert_within(_one_step_figures(before, _broken(state, before, cfg), *torch_side, cfg, ill), bound,
+                           "broken")
     return worst
 
 
@@ -462,9 +548,10 @@ def test_a_pytorch_adamw_run_hands_off_to_one_trainer_step(corpus_file, tmp_path
     before = {n: p.detach().numpy().copy() for n, p in engine.named_parameters()}
     for k, v in state_dicts.params_to_torch(snap.params, cfg.model).items():
         np.testing.assert_array_equal(v, before.get(k, v), err_msg=k)
-    jax64, torch64 = _jax_train_step(snap, batches[3], x64=True), _float64_step(engine, opt, batches[3], cfg, 3)
-    jax32 = {k: _jax_train_step(snap, batches[3], kernels=k) for k in FLOAT32_BOUND}
-    _torch_train_step(engine, opt, batches[3], cfg, 3)
+    ids = _clear_of_ties(engine, batches[3], cfg, seed=4)
+    jax64, torch64 = _jax_train_step(snap, ids, x64=True), _float64_step(engine, opt, ids, cfg, 3)
+    jax32 = {k: _jax_train_step(snap, ids, kernels=k) for k in FLOAT32_BOUND}
+    _torch_train_step(engine, opt, ids, cfg, 3)
     print("PyTorch → JAX, largest figures:", _assert_one_step_alike(before, (engine, opt), jax32, torch64, jax64, cfg))
 
 
@@ -484,7 +571,7 @@ def test_a_trainer_run_hands_off_to_pytorch_adamw_and_back(trained, corpus_file,
     opt.load_state_dict(opt_sd)
     assert opt.param_groups[0]["betas"] == (cfg.b1, cfg.b2) and opt.param_groups[0]["weight_decay"] == cfg.weight_decay
     before = {n: p.detach().numpy().copy() for n, p in engine.named_parameters()}
-    ids = _batches(cfg, 1, seed=5)[0]
+    ids = _clear_of_ties(engine, _batches(cfg, 1, seed=5)[0], cfg, seed=6)
     jax64, torch64 = _jax_train_step(snap, ids, x64=True), _float64_step(engine, opt, ids, cfg, snap.step)
     jax32 = {k: _jax_train_step(snap, ids, kernels=k) for k in FLOAT32_BOUND}
     _torch_train_step(engine, opt, ids, cfg, snap.step)
