@@ -100,7 +100,7 @@ class S3Server(LocalServer):
 class Relay:
     """127.0.0.1:<port> relayed to the server; `cut()` refuses new connections and drops the
     open ones (the store stopped), `restore()` listens again on the same port; `stall()`
-    answers nothing."""
+    answers nothing; `deaf(n)` stops reading what a connection sends past its first n bytes."""
 
     def __init__(self, target_port: int):
         self.target = target_port
@@ -110,6 +110,7 @@ class Relay:
         self._lock = threading.Lock()
         self._listener = None
         self._stalled = threading.Event()
+        self._deaf_after: Optional[int] = None
         self.restore()
 
     def restore(self) -> None:
@@ -132,13 +133,16 @@ class Relay:
             threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
 
     def _pipe(self, a, b) -> None:
+        sent = 0   # by the client (a) on this connection
         try:
             while True:
-                ready, _, _ = select.select([a, b], [], [], 1.0)
+                limit = self._deaf_after
+                ready, _, _ = select.select([b] if limit is not None and sent >= limit else [a, b], [], [], 1.0)
                 for s in ready:
-                    data = s.recv(65536)
+                    data = s.recv(65536 if s is b or limit is None else min(65536, max(1, limit - sent)))
                     if not data:
                         return
+                    sent += len(data) if s is a else 0
                     if not self._stalled.is_set():
                         (b if s is a else a).sendall(data)
         except OSError:
@@ -154,6 +158,12 @@ class Relay:
         """Connections accepted and held, what comes in read and dropped, nothing answered (a
         store that stopped answering without closing anything); off again with on=False."""
         (self._stalled.set if on else self._stalled.clear)()
+
+    def deaf(self, after: Optional[int]) -> None:
+        """Each connection's bytes past its first `after` left unread, the connection open (a
+        store that stopped reading a body: once the buffers fill, the client's send waits on a
+        shut window); None reads everything again (on new connections)."""
+        self._deaf_after = after
 
     def cut(self) -> None:
         try:   # wakes the accepting thread: a close alone leaves it listening until one more connection

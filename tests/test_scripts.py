@@ -1,4 +1,4 @@
-"""scripts/: the metrics plot and the GPU check."""
+"""scripts/: the metrics plot, the GPU check, the dispatch table and the store-fault timer."""
 import json
 import os
 import re
@@ -138,3 +138,13 @@ def test_dispatch_table_trains_each_choice_and_prints_their_rows(corpus_file, ca
     assert all(0 < r["val_bpb"] < 20 for r in runs)
     assert table.main(["--config", "tiny", "--steps", "1", "--set", f"corpus={corpus_file}"]) == 2
     assert "--steps must be >= 2" in capsys.readouterr().err
+
+
+def test_store_faults_times_a_transfer_held_by_a_silent_store(tmp_path):
+    """The fault timer's wiring (a local S3 server, the relay, the transfer in its thread, the
+    line it prints) on a store that stops reading, given 3 s: the transfer is still held."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "store_faults.py"), "--scheme", "s3", "--fault",
+                          "deaf", "--mib", "16", "--give-up", "3"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "s3 put, deaf: still waiting after 3 s\n", out.stdout

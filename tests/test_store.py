@@ -539,6 +539,30 @@ def test_a_store_cut_inside_an_upload_loses_nothing_committed(how, served, strai
     assert store_steps(s3, bucket, "run")[-1] == 6
 
 
+def test_a_store_that_stops_reading_a_body_fails_the_upload(served, tmp_path, monkeypatch):
+    """The store reads the first MiB a connection sends and no more, the connection open: a
+    32 MiB upload (a step's file of a real run) fills the buffers and waits on a shut window,
+    where the read timeout is not yet running. It fails (TCP_USER_TIMEOUT, SEND_SECONDS, on
+    each of the client's tries) instead of waiting for ever; with the store reading again,
+    the same upload goes through."""
+    server, url = served
+    bucket = url.split("/")[2]
+    relay = Relay(server.port)
+    set_env(monkeypatch, server.env(relay.endpoint))
+    monkeypatch.setattr(store, "READ_SECONDS", 1.0)
+    monkeypatch.setattr(store, "SEND_SECONDS", 2.0)
+    big = tmp_path / "big"
+    big.write_bytes(bytes(range(256)) * (32 << 12))
+    relay.deaf(1 << 20)
+    with pytest.raises(Exception) as e:   # noqa: PT011 - each client library has its own
+        ended(600, lambda: store.Store(url).put([big], ["big"]))
+    assert store.failure_words(e.value) == ("the store took nothing sent to it for 2 s, on each of the client's "
+                                            "tries"), e.value
+    relay.deaf(None)
+    store.Store(url).put([big], ["big"])
+    assert server.read(bucket, "run/big") == big.read_bytes()
+
+
 def test_a_rejected_step_saved_again_is_moved_aside_in_the_store(s3, bucket, straight, tmp_path):
     """Step 4 damaged in the store (same sizes): a new pod pulls it, its resume rejects it and
     falls back to step 2; when step 4 is saved again, the store's old one goes to

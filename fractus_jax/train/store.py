@@ -53,6 +53,7 @@ import argparse
 import collections
 import concurrent.futures
 import contextlib
+import errno
 import importlib.util
 import json
 import logging
@@ -98,6 +99,11 @@ PARTS_POLL_SECONDS = 0.5
 # A store that stops answering fails the run's upload in minutes, not never.
 READ_SECONDS = 15.0
 CONNECT_SECONDS = 10.0
+# A store that keeps a connection open but stops reading what is sent on it (its receive
+# window shut) holds a request for ever: the read timeout starts only once the body is sent,
+# and TCP's own retries end only for data never acknowledged. TCP_USER_TIMEOUT (Linux) ends a
+# connection whose sent data stays unacknowledged, or whose window stays shut, this long.
+SEND_SECONDS = 30.0
 
 # scheme -> (the module fsspec needs for it, the extra that installs it); None: not served yet
 SCHEMES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gs")}
@@ -144,10 +150,26 @@ def default_stage(url: str) -> Path:
     return cache_dir() / "stage" / scheme / rest.strip("/")
 
 
-def _reason(e: BaseException) -> str:
-    """rundir.reason, with words for a timeout that has none (gcsfs's)."""
+def _timed_out_sending(e: Optional[BaseException]) -> bool:
+    """e, or what it wraps (botocore keeps it in `kwargs`), is a connection that TCP_USER_TIMEOUT
+    ended (ETIMEDOUT)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ETIMEDOUT:
+            return True
+        wrapped = getattr(e, "kwargs", None)
+        e = (wrapped.get("error") if isinstance(wrapped, dict) else None) or e.__cause__ or e.__context__
+    return False
+
+
+def failure_words(e: BaseException) -> str:
+    """rundir.reason, with words for a timeout that has none (gcsfs's) and for a store that
+    stopped taking what was sent (which botocore words as a connection never made)."""
     if isinstance(e, TimeoutError) and not str(e).strip():
         return f"the store did not answer (no byte for {READ_SECONDS:g} s, on each of the client's tries)"
+    if _timed_out_sending(e):
+        return f"the store took nothing sent to it for {SEND_SECONDS:g} s, on each of the client's tries"
     return rundir.reason(e)
 
 
@@ -159,16 +181,34 @@ def _no_expect(params, **kwargs):
     params.get("headers", {}).pop("Expect", None)
 
 
+def _socket(addr_info) -> socket.socket:
+    """A store connection's socket (aiohttp's socket_factory), with TCP_USER_TIMEOUT set to
+    SEND_SECONDS where the system has it."""
+    family, kind, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=kind, proto=proto)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(SEND_SECONDS * 1000))
+    return sock
+
+
+async def _connector():
+    """gcsfs's connection pool: aiohttp's, with `_socket`; made in fsspec's loop, which binds it."""
+    import aiohttp
+    return aiohttp.TCPConnector(socket_factory=_socket)
+
+
 def _filesystem(scheme: str):
     # installed with the s3 and gs extras: imported only when a URL is used
     import aiohttp
     import fsspec
+    import fsspec.asyn
     # no listings cache: the store changes under this client (another process's part of a
     # step, a run read while it trains), and a cached listing would hide that
     common = {"skip_instance_cache": True, "use_listings_cache": False}
     if scheme == "s3":
         fs = fsspec.filesystem("s3", **common, config_kwargs={
-            "read_timeout": READ_SECONDS, "connect_timeout": CONNECT_SECONDS})
+            "read_timeout": READ_SECONDS, "connect_timeout": CONNECT_SECONDS,
+            "connector_args": {"socket_factory": _socket}})
         # on the one client s3fs makes and keeps: after botocore's own handler, which adds it
         fs.s3.meta.events.register("before-call.s3", _no_expect)
         return fs
@@ -176,8 +216,10 @@ def _filesystem(scheme: str):
     # line names the failure, the URL and the step the store holds
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
     # gcsfs sets no timeout of its own: without one, a request to a silent store never ends
-    return fsspec.filesystem("gs", **common, requests_timeout=aiohttp.ClientTimeout(
-        sock_connect=CONNECT_SECONDS, sock_read=READ_SECONDS))
+    loop = fsspec.asyn.get_loop()
+    return fsspec.filesystem("gs", **common, loop=loop, requests_timeout=aiohttp.ClientTimeout(
+        sock_connect=CONNECT_SECONDS, sock_read=READ_SECONDS),
+        session_kwargs={"connector": fsspec.asyn.sync(loop, _connector)})
 
 
 # What each store's refusals name: the credentials it reads and the variable of its endpoint.
@@ -223,7 +265,7 @@ class Store:
             raise CheckpointError(f"{self.url}: the bucket {self.bucket} does not exist (or this endpoint does "
                                   f"not serve it){self._endpoint_words()}; create it first") from None
         except PermissionError as e:
-            raise CheckpointError(f"{self.url}: access refused ({_reason(e)}); check the credentials "
+            raise CheckpointError(f"{self.url}: access refused ({failure_words(e)}); check the credentials "
                                   "({}, or {})".format(*CREDENTIALS[self.scheme])) from None
         except Exception as e:   # noqa: BLE001 - no credentials, no network, a bad endpoint
             # botocore's, google-auth's
@@ -231,7 +273,7 @@ class Store:
                 raise CheckpointError(f"{self.url}: no credentials found; set "
                                       "{} (or {})".format(*CREDENTIALS[self.scheme])) from None
             raise CheckpointError(f"{self.url}: cannot reach the store{self._endpoint_words()} "
-                                  f"({_reason(e)})") from None
+                                  f"({failure_words(e)})") from None
 
     def _endpoint_words(self) -> str:
         endpoint = next((os.environ[v] for v in ENDPOINTS[self.scheme] if os.environ.get(v)), None)
@@ -396,7 +438,7 @@ class Lease:
                 self.store.replace(b"4", version, probe)
             except OSError as e:
                 raise CheckpointError(f"{self.store.url}: this store refuses a PUT naming the object's own version "
-                                      f"({_reason(e)}), so the run's lease could never be renewed; "
+                                      f"({failure_words(e)}), so the run's lease could never be renewed; "
                                       "use a store that honours conditional writes (AWS S3, Google Cloud Storage, "
                                       "MinIO, recent Ceph and R2 do)") from None
         finally:
@@ -465,7 +507,7 @@ class Lease:
                 if mine:   # our PUT was taken and its answer lost
                     self.version, self._renewed = current, time.monotonic()
                 else:
-                    self.lost = f"another process took the lease ({_reason(e)})"
+                    self.lost = f"another process took the lease ({failure_words(e)})"
                 return
             self.version, self._renewed = version, time.monotonic()
 
@@ -585,7 +627,7 @@ class Mirror:
             raise
         except Exception as e:   # noqa: BLE001 - refused writes, a store gone since check_access
             self.lock.release()
-            raise CheckpointError(f"{self.url}: cannot take the run's lease ({_reason(e)}); the credentials "
+            raise CheckpointError(f"{self.url}: cannot take the run's lease ({failure_words(e)}); the credentials "
                                   "must be allowed to write there") from None
         try:
             self.pull()
@@ -610,7 +652,7 @@ class Mirror:
         except CheckpointError:
             raise
         except Exception as e:   # noqa: BLE001 - the store or the disk
-            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {_reason(e)}") from None
+            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {failure_words(e)}") from None
 
     @property
     def parts(self) -> bool:
@@ -702,7 +744,7 @@ class Mirror:
         except RunDirBusy:
             raise
         except Exception as e:   # noqa: BLE001 - the store or the network
-            raise rundir.RunDirIOError(f"cannot move the rejected steps aside in {self.url}: {_reason(e)}; "
+            raise rundir.RunDirIOError(f"cannot move the rejected steps aside in {self.url}: {failure_words(e)}; "
                                        f"{self._store_words()}") from None
 
     def expect(self, whole_bytes: int) -> None:
@@ -744,7 +786,7 @@ class Mirror:
             raise
         except Exception as e:   # noqa: BLE001 - the store, the network, the disk
             raise rundir.RunDirIOError(
-                f"cannot upload step {step} to {self.store.url_of(CHECKPOINTS, str(step))}: {_reason(e)}; "
+                f"cannot upload step {step} to {self.store.url_of(CHECKPOINTS, str(step))}: {failure_words(e)}; "
                 f"{self._store_words()}") from None
         self._pushes.append(time.time() - started)
 
@@ -839,7 +881,7 @@ class Mirror:
             if not quiet and isinstance(e, (rundir.RunDirIOError, RunDirBusy)):
                 raise   # the upload's own words: the step, the URL, what the store holds
             if not quiet:
-                raise rundir.RunDirIOError(f"cannot upload to {self.url}: {_reason(e)}; "
+                raise rundir.RunDirIOError(f"cannot upload to {self.url}: {failure_words(e)}; "
                                            f"{self._store_words()}") from None
             self.log(f"warning: while stopping: {e}")
         finally:
@@ -948,7 +990,7 @@ def readable(value: str, step: Optional[int] = None, log: Log = print) -> str:
     except CheckpointError:
         raise
     except Exception as e:   # noqa: BLE001 - the store or the disk
-        raise CheckpointError(f"cannot fetch {value}: {_reason(e)}") from None
+        raise CheckpointError(f"cannot fetch {value}: {failure_words(e)}") from None
     return str(checkpoints / str(want)) if named is not None else str(local)
 
 
