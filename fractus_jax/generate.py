@@ -164,7 +164,7 @@ def trained_settings(run_dir: str, step: Optional[int] = None) -> tuple[str, Opt
     every step started from the initial carry, chunks of seq_len carrying the state for an
     Atom run that streamed it, else step), and how the run computed its engine (dtype, kernels)."""
     run, named = ckpt_lib.resolve_checkpoint(run_dir)
-    _, _, cfg = ckpt_lib.read_step(run, named if step is None else step)
+    _, _, cfg = ckpt_lib.read_step(run, named if step is None else step, items=ckpt_lib.WEIGHTS_ITEMS)
     mode, window = cfg.trained_decoding()
     return mode, window, cfg.execution
 
@@ -242,7 +242,8 @@ def _checkpoint_step(ckpt: str, step: Optional[int]) -> Optional[int]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        args.ckpt = store.readable(args.ckpt, args.step, log=lambda m: print(m, file=sys.stderr))
+        args.ckpt = store.readable(args.ckpt, args.step, log=lambda m: print(m, file=sys.stderr),
+                                   items=ckpt_lib.WEIGHTS_ITEMS)
     except CheckpointError as e:
         _fail(str(e))
     if not os.path.isdir(args.ckpt):

@@ -282,6 +282,23 @@ def test_generate_and_export_skip_a_damaged_newest_step(runs, tmp_path, capsys):
     assert all(torch.equal(a["model_state"][k], b["model_state"][k]) for k in a["model_state"])
 
 
+def test_a_reader_of_the_weights_checks_the_items_it_reads(runs, tmp_path, capsys):
+    """Step 4's moments damaged: a reader of the weights alone (eval, generate, an export
+    without --opt) takes step 4, whose weights pass their checksums; one that reads the
+    moments falls back to step 2, and refuses step 4 when it is named."""
+    d = copy_split(runs, tmp_path)
+    _truncate_opt_state(d)
+    assert ckpt_lib.read_step(d, items=ckpt_lib.WEIGHTS_ITEMS)[0] == 4
+    assert "warning" not in capsys.readouterr().err
+    assert ckpt_lib.read_step(d)[0] == 2
+    assert "warning: step 4: opt_state failed its checksum; falling back to step 2" in capsys.readouterr().err
+    with pytest.raises(rundir.CheckpointError, match="step 4: opt_state failed its checksum"):
+        ckpt_lib.read_step(d, 4)
+    params, _ = ckpt_lib.load_for_inference(d)
+    want = restore(runs[2], runs[0], 4)[0]["params"]   # the run before the damage
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(want))
+
+
 def test_retention_keeps_the_newest_good_step(runs, tmp_path):
     """keep_checkpoints=2, then two saves whose weights are not finite: Orbax's own retention
     would have deleted the last good step; it stays until a newer good one is saved."""

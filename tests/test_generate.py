@@ -334,7 +334,8 @@ def _fake_checkpoint_module(monkeypatch, params, cfg, calls):
 
     monkeypatch.setattr(ckpt, "load_for_inference", load_for_inference)
     monkeypatch.setattr(ckpt, "resolve_checkpoint", lambda run_dir: (run_dir, None))
-    monkeypatch.setattr(ckpt, "read_step", lambda run_dir, step: (step or 1, {}, tconfig.TrainConfig(model=cfg)))
+    monkeypatch.setattr(ckpt, "read_step",
+                        lambda run_dir, step, items=None: (step or 1, {}, tconfig.TrainConfig(model=cfg)))
 
 
 @pytest.mark.slow   # the 450-step memorisation fixture

@@ -679,9 +679,25 @@ def test_the_commands_train_on_a_url_resume_it_and_read_it(served, corpus_file, 
     a, b = (torch.load(tmp_path / f"from-{w}.pt", weights_only=True) for w in ("url", "stage"))
     assert a.keys() == b.keys() and a["step"] == b["step"] == 6
     assert all(torch.equal(a["model_state"][k], b["model_state"][k]) for k in b["model_state"])
+    # those read the weights alone: the moments stayed in the store
+    cached = next((tmp_path / "cache" / "read").rglob(rundir.CHECKPOINTS))
+    items = lambda step: {p.name for p in (cached / str(step)).iterdir() if p.is_dir()}  # noqa: E731
+    assert items(4) == items(6) == set(ckpt_lib.WEIGHTS_ITEMS)
+    assert {p.name for p in (stage / "checkpoints" / "6").iterdir() if p.is_dir()} == set(ckpt_lib.ITEMS)
+    capsys.readouterr()
     assert grow_cli(["--ckpt", url, "--out", str(tmp_path / "grown"), "--add-layers", "1",
                      "--corpus", str(corpus_file)]) == 0
     assert strict((tmp_path / "grown" / "manifest.json").read_text())["step"] == 6
+    # grow reads the moments too: the rest of step 6 fetched, the files held kept (the weights'
+    # items' and the step's own, such as its checksums)
+    held = [p.relative_to(stage / "checkpoints" / "6").parts for p in (stage / "checkpoints" / "6").rglob("*")
+            if p.is_file()]
+    kept = sum(1 for parts in held if len(parts) == 1 or parts[0] in ckpt_lib.WEIGHTS_ITEMS)
+    assert 0 < kept < len(held)
+    assert f"; {kept} of its files are here already" in capsys.readouterr().err
+    assert items(6) == set(ckpt_lib.ITEMS)
+    assert store.store_steps(store.Store(url))[6]["files"] == {
+        str(p.relative_to(cached / "6")): p.stat().st_size for p in (cached / "6").rglob("*") if p.is_file()}
     capsys.readouterr()
     assert eval_cli(["--ckpt", f"{url}/checkpoints/5", "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: {url} has no committed checkpoint at step 5 "

@@ -10,6 +10,7 @@ import sys
 
 from fractus_jax.convert.state_dicts import ConversionError
 from fractus_jax.train.config import ConfigError
+from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import store
 from fractus_jax.train.rundir import CheckpointError, local_path
 
@@ -63,7 +64,8 @@ def main(argv=None) -> int:
     try:
         from fractus_jax.convert import run   # needs torch: a missing one is answered below
         if args.command == "export":
-            ckpt = store.readable(args.ckpt, log=lambda m: print(m, file=sys.stderr))
+            ckpt = store.readable(args.ckpt, log=lambda m: print(m, file=sys.stderr),
+                                  items=None if args.opt else ckpt_lib.WEIGHTS_ITEMS)
             for path in run.export_run(ckpt, args.out, opt=args.opt, hub=args.hub, log=warn):
                 print(path)
         else:

@@ -43,7 +43,7 @@ def load_run(ckpt, with_opt: bool) -> Snapshot:
     """One checkpoint, restored in the shapes of the config saved with that step (a run grown
     in place holds steps of two shapes; its manifest describes only the latest)."""
     run_dir, step = ckpt_lib.resolve_checkpoint(ckpt)
-    step, _, cfg = ckpt_lib.read_step(run_dir, step)
+    step, _, cfg = ckpt_lib.read_step(run_dir, step, items=None if with_opt else ckpt_lib.WEIGHTS_ITEMS)
     items = ("params", "opt_state", "extra") if with_opt else ("params", "extra")
     state, meta = ckpt_lib.restore_one_device(run_dir, step, cfg, items=items)
     state = jax.device_get(state)

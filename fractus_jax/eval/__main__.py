@@ -89,7 +89,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
     try:
-        args.ckpt = store.readable(args.ckpt, args.step, log=lambda m: print(m, file=sys.stderr))
+        args.ckpt = store.readable(args.ckpt, args.step, log=lambda m: print(m, file=sys.stderr),
+                                   items=ckpt_lib.WEIGHTS_ITEMS)
     except CheckpointError as e:
         return fail(str(e))
     if not os.path.exists(args.ckpt):
@@ -102,7 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir, named = ckpt_lib.resolve_checkpoint(args.ckpt)
         if named is not None and args.step is not None and args.step != named:
             raise _UserError(f"{args.ckpt} is the checkpoint of step {named}, and step {args.step} was asked for")
-        step, meta, cfg = ckpt_lib.read_step(run_dir, named if args.step is None else args.step)
+        step, meta, cfg = ckpt_lib.read_step(run_dir, named if args.step is None else args.step,
+                                             items=ckpt_lib.WEIGHTS_ITEMS)
         ids, source = held_out_ids(run_dir, meta, cfg, args.corpus)
         if args.ids is not None:
             ids = ids[:args.ids]

@@ -45,6 +45,9 @@ ITEMS = ("params", "opt_state", "extra", "meta")
 RECENT_COMMITS = 5            # the deadline margin reserves the slowest of this many last saves
 CHECKSUMS = "checksums.json"
 CHECKED_FINITE = ("params", "opt_state")
+# The items a reader of the weights alone needs (eval, generate, an export without the
+# moments): a step read from object storage is fetched, and checked, for them only.
+WEIGHTS_ITEMS = ("params", "extra", "meta")
 
 # A save not yet timed is sized by its state (`first_save_seconds`): the bytes this process
 # writes at SAVE_WRITE_BYTES_PER_SECOND, plus the whole step read back for its checksums
@@ -149,13 +152,16 @@ def read_checksums(step_dir: Path) -> Optional[dict]:
     return record if isinstance(record, dict) and isinstance(record.get("items"), dict) else None
 
 
-def check_files(step_dir: Path) -> tuple[str, Optional[str]]:
-    """("ok" | "unchecked" | "bad", why): a step's files against its checksums.json.
+def check_files(step_dir: Path, items=None) -> tuple[str, Optional[str]]:
+    """("ok" | "unchecked" | "bad", why): a step's files against its checksums.json; of the
+    items named only (a reader that fetched those alone), or of every item.
     "unchecked": no (readable) record, as for a save cut before it wrote one or an older run."""
     record = read_checksums(step_dir)
     if record is None:
         return "unchecked", None
     for item, files in record["items"].items():
+        if items is not None and item not in items:
+            continue
         item_dir = step_dir / item
         if not item_dir.is_dir():
             return "bad", f"{item} is missing"
@@ -538,9 +544,9 @@ def no_good_step_message(workdir, rejected, stop: Optional[str] = None) -> str:
             f"changed; move {Path(workdir) / CHECKPOINTS} away to start afresh")
 
 
-def newest_good_step(workdir, below: Optional[int] = None):
+def newest_good_step(workdir, below: Optional[int] = None, items=None):
     """(step, meta, rejected, note) of the newest committed step (below `below`) whose files
-    match their checksums and whose meta reads, without reading any array. rejected: the
+    (of `items`, or all) match their checksums and whose meta reads, without reading any array. rejected: the
     (step, why) of newer steps that do not; note: set when the step has no checksums to check.
     (None, None, rejected, None) when no step qualifies. Nothing is written."""
     workdir = Path(workdir)
@@ -552,7 +558,7 @@ def newest_good_step(workdir, below: Optional[int] = None):
         for step in sorted(ck.manager.all_steps(), reverse=True):
             if below is not None and step >= below:
                 continue
-            status, why = check_files(ck.step_dir(step))
+            status, why = check_files(ck.step_dir(step), items)
             if status == "bad":
                 rejected.append((step, why))
                 continue
@@ -592,16 +598,17 @@ def abstract_with_shardings(abstract, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
-def read_step(run_dir, step: Optional[int] = None) -> tuple[int, dict, TrainConfig]:
+def read_step(run_dir, step: Optional[int] = None, items=None) -> tuple[int, dict, TrainConfig]:
     """(step, the meta saved with it, its TrainConfig); the newest good step (`newest_good_step`,
-    with a warning for each newer one that fails its checks) when step is None.
+    with a warning for each newer one that fails its checks) when step is None. items: the
+    items the caller reads, the only ones checked (`check_files`); None: all.
 
     The config is the one saved with that step, i.e. the shapes its arrays have: a run grown
     in place (`grow_at`) holds steps of two shapes, and its manifest describes only the
     latest. Checkpoints whose meta holds no config take the manifest's (set into meta too).
     """
     if step is None:
-        step, meta, rejected, _ = newest_good_step(run_dir)
+        step, meta, rejected, _ = newest_good_step(run_dir, items=items)
         if step is None:
             if rejected:
                 raise CheckpointError(no_good_step_message(run_dir, rejected))
@@ -609,7 +616,7 @@ def read_step(run_dir, step: Optional[int] = None) -> tuple[int, dict, TrainConf
         for line in rejection_warnings(rejected, step):
             _stderr(line)
     else:
-        status, why = check_files(Path(run_dir) / CHECKPOINTS / str(step))
+        status, why = check_files(Path(run_dir) / CHECKPOINTS / str(step), items)
         if status == "bad":
             raise CheckpointError(f"{run_dir}: step {step}: {why}")
         ck = RunCheckpointer(run_dir, read_only=True)
@@ -657,15 +664,15 @@ def restore_one_device(run_dir, step: int, cfg: TrainConfig, items=("params", "o
         ckpt.close()
 
 
-def checkpoint_config(ckpt, step: Optional[int] = None) -> tuple[Path, int, TrainConfig]:
+def checkpoint_config(ckpt, step: Optional[int] = None, items=None) -> tuple[Path, int, TrainConfig]:
     """(run directory, step, that step's TrainConfig) of a run directory's latest (or given)
     checkpoint. `ckpt` is a run directory or one of its step directories
     (`resolve_checkpoint`, as for export and grow); a step directory with a different `step`
-    is refused."""
+    is refused. items: as for `read_step`."""
     run_dir, named = resolve_checkpoint(ckpt)
     if named is not None and step is not None and step != named:
         raise CheckpointError(f"{ckpt} is the checkpoint of step {named}, and step {step} was asked for")
-    step, _, cfg = read_step(run_dir, named if step is None else step)
+    step, _, cfg = read_step(run_dir, named if step is None else step, items=items)
     return run_dir, step, cfg
 
 
@@ -673,7 +680,7 @@ def load_for_inference(ckpt, step: Optional[int] = None, params_shardings=None):
     """(params, EngineConfig) of a checkpoint (`checkpoint_config`), on the first device, or
     restored straight into `params_shardings` (the shardings of a parameter tree of the same
     engine: each device reads its own shards, and nothing passes through one device)."""
-    run_dir, step, cfg = checkpoint_config(ckpt, step)
+    run_dir, step, cfg = checkpoint_config(ckpt, step, items=WEIGHTS_ITEMS)
     abstract = None
     if params_shardings is not None:
         abstract = train_state.abstract_train_state(cfg)

@@ -951,11 +951,13 @@ def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path
 _STEP_URL = re.compile(r"^(.*)/" + CHECKPOINTS + r"/(\d+)$")
 
 
-def readable(value: str, step: Optional[int] = None, log: Log = print) -> str:
+def readable(value: str, step: Optional[int] = None, log: Log = print, items=None) -> str:
     """The --ckpt of a command that reads a run (eval, generate, convert export, grow): a local
     path as it is; a URL's run, or its URL/checkpoints/<step>, fetched into the read cache
     (FRACTUS_CACHE/read/...): the step named, or --step, or the newest the store holds as
-    committed, and the manifest. Takes no lease: a committed step's files never change.
+    committed, and the manifest. items: the step's items the command reads (the weights alone:
+    `checkpoint.WEIGHTS_ITEMS`), fetched with the step's own files and no others; None: all.
+    Takes no lease: a committed step's files never change.
     Returns the local path to read; CheckpointError when the store cannot serve it."""
     if scheme_of(value) is None:
         return value
@@ -980,11 +982,17 @@ def readable(value: str, step: Optional[int] = None, log: Log = print) -> str:
         local = cache_dir() / "read" / src.scheme / src.root
         checkpoints = local / CHECKPOINTS
         checkpoints.mkdir(parents=True, exist_ok=True)
-        for p in checkpoints.iterdir():   # the cache holds what the store still commits, as it has it
-            if p.name.isdigit() and (int(p.name) not in steps or _step_files(p) != steps[int(p.name)]["files"]):
+        for p in checkpoints.iterdir():   # the cache holds some of what the store still commits, as it has it
+            if p.name.isdigit() and (int(p.name) not in steps or not _is_part(_step_files(p),
+                                                                              steps[int(p.name)]["files"])):
                 shutil.rmtree(p)
-        if not (checkpoints / str(want)).is_dir():
-            fetch_step(src, want, steps[want]["files"], checkpoints, log)
+        files = steps[want]["files"]
+        needed = {n: size for n, size in files.items()
+                  if items is None or "/" not in n or n.split("/", 1)[0] in items}
+        step_dir = checkpoints / str(want)
+        held = _step_files(step_dir) if step_dir.is_dir() else {}
+        if set(needed) - set(held):
+            fetch_step(src, want, {**held, **needed}, checkpoints, log, have=step_dir if held else None)
         if src.exists(MANIFEST):
             rundir.write_text_atomic(local / MANIFEST, src.read(MANIFEST).decode())
     except CheckpointError:
