@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -354,6 +355,54 @@ def test_a_reader_refuses_a_step_whose_files_differ_from_its_commit(s3, bucket, 
     assert not list((tmp_path / "cache").rglob("data"))
     with pytest.raises(rundir.CheckpointError, match="give a bucket and a path inside it"):
         store.readable(f"s3://{bucket}/checkpoints/2")   # a run at the bucket's root
+
+
+def test_a_step_another_command_reads_stays_in_the_read_cache(s3, bucket, tmp_path, monkeypatch):
+    """Two commands read one run through the cache of one machine. Fetching the rest of a step
+    the other reads leaves the files it reads in their place; a step the store has dropped stays
+    in the cache while the other reads it, and goes once it has ended."""
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    client = s3.client()
+    step_files = {"checksums.json": b"{}", "params/a": b"w" * 64, "opt_state/b": b"m" * 128}
+    for step in (2, 4):
+        for name, body in step_files.items():
+            client.put_object(Bucket=bucket, Key=f"run/checkpoints/{step}/{name}", Body=body)
+        client.put_object(Bucket=bucket, Key=f"run/checkpoints/{step}/{store.COMMITTED}", Body=json.dumps(
+            {"step": step, "files": {n: len(b) for n, b in step_files.items()}}).encode())
+    url = f"s3://{bucket}/run"
+    other = subprocess.Popen(   # reads the weights of steps 2 and 4, and goes on until its stdin ends
+        [sys.executable, "-c", "import sys\nfrom fractus_jax.train import store\n"
+         f"for step in (2, 4): print(store.readable({url!r} + f'/checkpoints/{{step}}', items=('params',), "
+         "log=lambda m: None), flush=True)\nsys.stdin.read()"],
+        env=child_env(s3.env()), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        read = [Path(other.stdout.readline().strip()) for _ in range(2)]
+        assert [sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()) for d in read] == [
+            ["checksums.json", "params/a"]] * 2
+        weights = read[1] / "params" / "a"
+        inode = weights.stat().st_ino
+        real_get = store.Store.get
+
+        def get(self, names, paths):   # while the rest of step 4 is fetched, the weights are in place
+            assert weights.stat().st_ino == inode
+            return real_get(self, names, paths)
+
+        monkeypatch.setattr(store.Store, "get", get)
+        logs = []
+        assert Path(store.readable(f"{url}/checkpoints/4", log=logs.append)) == read[1]
+        assert "; 2 of its files are here already" in logs[0], logs
+        assert {str(p.relative_to(read[1])): p.stat().st_size for p in read[1].rglob("*") if p.is_file()} == {
+            n: len(b) for n, b in step_files.items()}
+        assert weights.stat().st_ino == inode
+        for key in s3.keys(bucket, "run/checkpoints/2/"):   # the store drops step 2
+            client.delete_object(Bucket=bucket, Key=key)
+        store.readable(url, log=logs.append)
+        assert (read[0] / "params" / "a").read_bytes() == step_files["params/a"]   # the other reads it still
+    finally:
+        other.communicate(timeout=60)
+    assert other.returncode == 0
+    store.readable(url, log=logs.append)
+    assert not read[0].exists() and read[1].is_dir()
 
 
 # ----------------------------------------------------------------------------- the margin

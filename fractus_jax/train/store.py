@@ -54,6 +54,7 @@ import collections
 import concurrent.futures
 import contextlib
 import errno
+import fcntl
 import importlib.util
 import json
 import logging
@@ -694,7 +695,7 @@ class Mirror:
                         shutil.rmtree(parts[step])
                 continue
             if missing:
-                fetch_step(self.store, step, steps[step]["files"], local, self.log, have=parts.get(step))
+                fetch_step(self.store, step, steps[step]["files"], local, self.log)
             if ckpt_lib.saved_unusable(local / str(step)) is None:
                 resumable = step
         if self.deferred:
@@ -908,44 +909,77 @@ def _is_part(held: dict[str, int], files: Optional[dict[str, int]]) -> bool:
     return bool(held) and files is not None and all(files.get(n) == size for n, size in held.items())
 
 
-def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path, log: Log,
-               have: Optional[Path] = None) -> Path:
-    """A committed step's files into checkpoints/<step>, through a temporary directory renamed
-    when whole (a fetch cut short leaves a leftover that is removed, never a step). have: a
-    directory holding some of the files already (this process's part of the step, in its
-    place), taken from there rather than fetched; the checksums judge them at the restore."""
+def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path, log: Log) -> Path:
+    """A committed step's files into checkpoints/<step>. The files the directory holds already
+    at their size (this process's own part of the step, a reader's weights) stay where they
+    are; the rest are fetched into a temporary directory, checked against `files`, and moved
+    in only once all are here. A step only ever gains whole files: a command reading it
+    meanwhile reads what it read before, and a fetch cut short leaves it as it was (and a
+    leftover removed at the next start)."""
     dst = checkpoints / str(step)
+    held = _step_files(dst) if dst.is_dir() else {}
+    kept = {n: size for n, size in held.items() if files.get(n) == size}
+    names = sorted(set(files) - set(kept))
     tmp = checkpoints / f"{step}{PULL_TMP}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
-    kept = {}
-    if have is not None:
-        for n, size in _step_files(have).items():
-            if files.get(n) == size:
-                (tmp / n).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(have / n, tmp / n)
-                kept[n] = size
-        shutil.rmtree(have)
-    names = sorted(set(files) - set(kept))
     size = sum(files[n] for n in names)
     log(f"pulling step {step} ({size / 1e6:.1f} MB) from {store.url_of(CHECKPOINTS, str(step))}"
         + (f"; {len(kept)} of its files are here already" if kept else ""))
     store.get([f"{CHECKPOINTS}/{step}/{n}" for n in names], [tmp / n for n in names])
-    got = _step_files(tmp)
-    if got != files:
-        wrong = sorted(n for n in set(files) | set(got) if got.get(n) != files.get(n))
+    got = _step_files(tmp) if names else {}
+    if got != {n: files[n] for n in names}:
+        wrong = sorted(n for n in set(names) | set(got) if got.get(n) != files.get(n))
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"{store.url_of(CHECKPOINTS, str(step))} does not hold the files its {COMMITTED} "
                               f"names ({len(wrong)} differ, e.g. {wrong[0]}): the store changed under it")
-    try:
-        os.replace(tmp, dst)
-    except OSError:
-        if not dst.is_dir():   # else another reader fetched it first
-            raise
+    if held:
+        for n in names:   # the step gains whole files, one rename each
+            (dst / n).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / n, dst / n)
         shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        try:
+            os.replace(tmp, dst)
+        except OSError:
+            if not dst.is_dir():   # else another reader fetched it first
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.time() - t0
     log(f"pulled step {step} in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.0f} MB/s)")
     return dst
+
+
+# The read cache's steps that commands are reading: a shared flock on READ/.../.reading/<step>
+# per step, held by each reader until it ends (the kernel drops it however the process ends).
+# A step no longer in the store is removed from the cache only when no command holds it.
+READING = ".reading"
+_read_locks: dict[str, int] = {}
+
+
+def _read_lock(path: Path) -> None:
+    """This process reads the cached step `path` names until it ends: no other command removes it."""
+    if str(path) in _read_locks:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)   # waits only while another command removes the step
+    _read_locks[str(path)] = fd
+
+
+def _remove_unread(step_dir: Path, lock: Path) -> bool:
+    """Remove a cached step unless a command reads it (then False: it stays, for another time)."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        shutil.rmtree(step_dir, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)   # the lock with it
 
 
 _STEP_URL = re.compile(r"^(.*)/" + CHECKPOINTS + r"/(\d+)$")
@@ -957,7 +991,8 @@ def readable(value: str, step: Optional[int] = None, log: Log = print, items=Non
     (FRACTUS_CACHE/read/...): the step named, or --step, or the newest the store holds as
     committed, and the manifest. items: the step's items the command reads (the weights alone:
     `checkpoint.WEIGHTS_ITEMS`), fetched with the step's own files and no others; None: all.
-    Takes no lease: a committed step's files never change.
+    Takes no lease: a committed step's files never change. A cached step only gains files, and
+    stays in the cache while a command reads it (`READING`), also once the store has dropped it.
     Returns the local path to read; CheckpointError when the store cannot serve it."""
     if scheme_of(value) is None:
         return value
@@ -983,16 +1018,19 @@ def readable(value: str, step: Optional[int] = None, log: Log = print, items=Non
         checkpoints = local / CHECKPOINTS
         checkpoints.mkdir(parents=True, exist_ok=True)
         for p in checkpoints.iterdir():   # the cache holds some of what the store still commits, as it has it
-            if p.name.isdigit() and (int(p.name) not in steps or not _is_part(_step_files(p),
-                                                                              steps[int(p.name)]["files"])):
-                shutil.rmtree(p)
+            if (p.name.isdigit() and (int(p.name) not in steps or not _is_part(_step_files(p),
+                                                                               steps[int(p.name)]["files"]))
+                    and not _remove_unread(p, local / READING / p.name) and int(p.name) == want):
+                raise CheckpointError(f"the read cache's step {want} of {url} ({p}) differs from the store's, "
+                                      "and another command reads it: run this one again once it ends")
+        _read_lock(local / READING / str(want))
         files = steps[want]["files"]
         needed = {n: size for n, size in files.items()
                   if items is None or "/" not in n or n.split("/", 1)[0] in items}
         step_dir = checkpoints / str(want)
         held = _step_files(step_dir) if step_dir.is_dir() else {}
         if set(needed) - set(held):
-            fetch_step(src, want, {**held, **needed}, checkpoints, log, have=step_dir if held else None)
+            fetch_step(src, want, {**held, **needed}, checkpoints, log)
         if src.exists(MANIFEST):
             rundir.write_text_atomic(local / MANIFEST, src.read(MANIFEST).decode())
     except CheckpointError:
