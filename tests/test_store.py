@@ -7,6 +7,8 @@ upload loses nothing committed, the run says what failed, and the same command r
 lease admits one writer; a missing bucket, a URL that cannot be served and a store without
 conditional writes are refused before any step."""
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from fractus_jax.generate import main as generate_cli
 from fractus_jax.grow.__main__ import main as grow_cli
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import loop, rundir, store
+from fractus_jax.train import transfer as transfer_lib
 from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train.__main__ import main as train_cli
 from fractus_jax.train.__main__ import parse_args
@@ -383,9 +386,9 @@ def test_a_step_another_command_reads_stays_in_the_read_cache(s3, bucket, tmp_pa
         inode = weights.stat().st_ino
         real_get = store.Store.get
 
-        def get(self, names, paths):   # while the rest of step 4 is fetched, the weights are in place
+        def get(self, names, paths, transfer=None):   # while the rest of step 4 is fetched, the weights are in place
             assert weights.stat().st_ino == inode
-            return real_get(self, names, paths)
+            return real_get(self, names, paths, transfer)
 
         monkeypatch.setattr(store.Store, "get", get)
         logs = []
@@ -403,6 +406,49 @@ def test_a_step_another_command_reads_stays_in_the_read_cache(s3, bucket, tmp_pa
     assert other.returncode == 0
     store.readable(url, log=logs.append)
     assert not read[0].exists() and read[1].is_dir()
+
+
+def test_a_transfer_waited_for_says_how_far_it_is(served, tmp_path, monkeypatch):
+    """A pull says its bytes received as they come, and a wait for an upload the bytes sent,
+    on both stores (s3fs reports each file's bytes as increments, gcsfs's uploads as totals)."""
+    server, url = served
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(transfer_lib, "PROGRESS_SECONDS", 0.05)
+    stage = tmp_path / "stage"
+    sizes = {"checksums.json": 2, "params/a": 3_000_000, "opt_state/b": 2_000_000}
+    said, logs = threading.Event(), []
+
+    def log(line):
+        logs.append(line)
+        if line.startswith("waiting for the upload"):
+            said.set()
+
+    real_put = store.Store.put
+
+    def put(self, local, remote, transfer=None):   # the upload ends once its wait has said how far it is
+        real_put(self, local, remote, transfer)
+        assert said.wait(30)
+
+    monkeypatch.setattr(store.Store, "put", put)
+    mirror = store.open_mirror(url, stage, log=log)
+    try:
+        for name, size in sizes.items():   # a step the stage committed
+            (stage / "checkpoints" / "2" / name).parent.mkdir(parents=True, exist_ok=True)
+            (stage / "checkpoints" / "2" / name).write_bytes(os.urandom(size))
+        mirror.push(2)
+        mirror.settle()
+    finally:
+        mirror.close(quiet=True)
+    assert f"waiting for the upload of step 2 to {url}: 5.0 of 5.0 MB (" in logs[-1], logs
+    assert store.store_steps(store.Store(url))[2]["files"] == sizes
+
+    monkeypatch.setattr(transfer_lib, "PROGRESS_SECONDS", 0.0)   # each file's bytes said as they come
+    logs.clear()
+    store.readable(url, log=logs.append)
+    figures = [tuple(float(x) for x in re.match(r"pulling step 2: ([\d.]+) of ([\d.]+) MB \(\d+ MB/s\)$", line)
+                     .groups()) for line in logs if line.startswith("pulling step 2: ")]
+    assert len(figures) >= 2 and all(total == 5.0 for _, total in figures), logs
+    assert [done for done, _ in figures] == sorted(done for done, _ in figures) and figures[-1][0] == 5.0, logs
 
 
 # ----------------------------------------------------------------------------- the margin
@@ -564,10 +610,10 @@ def test_a_store_cut_inside_an_upload_loses_nothing_committed(how, served, strai
     monkeypatch.setattr(store, "READ_SECONDS", 1.0)
     real = store.Store.put
 
-    def stop_at_4(self, local, remote):   # as the first file of step 4 is sent
+    def stop_at_4(self, local, remote, transfer=None):   # as the first file of step 4 is sent
         if any(r.startswith(f"{store.CHECKPOINTS}/4/") for r in remote):
             relay.cut() if how == "cut" else relay.stall()
-        return real(self, local, remote)
+        return real(self, local, remote, transfer)
 
     monkeypatch.setattr(store.Store, "put", stop_at_4)
     with pytest.raises(rundir.RunDirIOError) as e:

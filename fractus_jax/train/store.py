@@ -73,6 +73,7 @@ import jax
 
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import policy, rundir
+from fractus_jax.train import transfer as transfer_lib
 from fractus_jax.train.prepare import cache_dir
 from fractus_jax.train.rundir import (CHECKPOINTS, MANIFEST, METRICS, ORBAX_TMP, REJECTED, CheckpointError, RunDirBusy,
                                      RunLock)
@@ -363,15 +364,19 @@ class Store:
         """One object, copied inside the store."""
         self.fs.copy(self.path(*src), self.path(*dst))
 
-    def put(self, local: list[Path], remote: list[str]) -> None:
+    def put(self, local: list[Path], remote: list[str], transfer: Optional[transfer_lib.Transfer] = None) -> None:
+        """Files to objects; `transfer` counts the bytes sent."""
         if local:
-            self.fs.put([str(p) for p in local], [self.path(r) for r in remote])
+            self.fs.put([str(p) for p in local], [self.path(r) for r in remote],
+                        **({"callback": transfer} if transfer is not None else {}))
 
-    def get(self, remote: list[str], local: list[Path]) -> None:
+    def get(self, remote: list[str], local: list[Path], transfer: Optional[transfer_lib.Transfer] = None) -> None:
+        """Objects to files; `transfer` counts the bytes received."""
         for p in local:
             p.parent.mkdir(parents=True, exist_ok=True)
         if remote:
-            self.fs.get([self.path(r) for r in remote], [str(p) for p in local])
+            self.fs.get([self.path(r) for r in remote], [str(p) for p in local],
+                        **({"callback": transfer} if transfer is not None else {}))
 
 
 # ----------------------------------------------------------------------------- the lease
@@ -603,6 +608,7 @@ class Mirror:
         self.committed: Optional[int] = None     # the newest step the store holds as committed
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._push: Optional[concurrent.futures.Future] = None
+        self._sending: Optional[transfer_lib.Transfer] = None   # the step's files of the upload in flight
         self._pushes = collections.deque(maxlen=RECENT_PUSHES)
         self._guess = 0.0
         self._sizes: dict[str, int] = {}          # log files as last uploaded
@@ -769,6 +775,11 @@ class Mirror:
         if self._push is None:
             return
         push, self._push = self._push, None
+        # a wait longer than a moment says how far the upload is (the bytes of the step's
+        # files; then the logs and the commit, which are small)
+        while not concurrent.futures.wait([push], timeout=transfer_lib.PROGRESS_SECONDS).done:
+            if self._sending is not None:
+                self.log(self._sending.words())
         push.result()
 
     def pushing(self) -> bool:
@@ -809,7 +820,9 @@ class Mirror:
             # any file of the new one lands over it (a multi-process run's, at the resume)
             self.lease.check()
             self._retire(step)
-        self.store.put([step_dir / n for n in names], [f"{CHECKPOINTS}/{step}/{n}" for n in names])
+        self._sending = transfer_lib.Transfer(
+            sum(files[n] for n in names), f"waiting for the upload of step {step} to {self.url}")
+        self.store.put([step_dir / n for n in names], [f"{CHECKPOINTS}/{step}/{n}" for n in names], self._sending)
         if not self.lead:
             return
         self._upload_logs()
@@ -926,7 +939,8 @@ def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path
     size = sum(files[n] for n in names)
     log(f"pulling step {step} ({size / 1e6:.1f} MB) from {store.url_of(CHECKPOINTS, str(step))}"
         + (f"; {len(kept)} of its files are here already" if kept else ""))
-    store.get([f"{CHECKPOINTS}/{step}/{n}" for n in names], [tmp / n for n in names])
+    store.get([f"{CHECKPOINTS}/{step}/{n}" for n in names], [tmp / n for n in names],
+              transfer_lib.Transfer(size, f"pulling step {step}", log))
     got = _step_files(tmp) if names else {}
     if got != {n: files[n] for n in names}:
         wrong = sorted(n for n in set(names) | set(got) if got.get(n) != files.get(n))
