@@ -408,6 +408,34 @@ def test_a_step_another_command_reads_stays_in_the_read_cache(s3, bucket, tmp_pa
     assert not read[0].exists() and read[1].is_dir()
 
 
+def test_the_read_cache_keeps_the_steps_read_last(s3, bucket, tmp_path, monkeypatch):
+    """Reading step after step of a run keeps the READ_CACHE_STEPS steps read last in the
+    cache, and a step a command still reads besides."""
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    client = s3.client()
+    for step in (2, 4, 6):
+        client.put_object(Bucket=bucket, Key=f"run/checkpoints/{step}/params/a", Body=b"w" * 64)
+        client.put_object(Bucket=bucket, Key=f"run/checkpoints/{step}/{store.COMMITTED}",
+                          Body=json.dumps({"step": step, "files": {"params/a": 64}}).encode())
+    url = f"s3://{bucket}/run"
+    logs, local = [], tmp_path / "cache" / "read" / "s3" / bucket / "run"
+    cached = lambda: sorted(int(p.name) for p in (local / "checkpoints").iterdir() if p.name.isdigit())  # noqa: E731
+    for step in (2, 4, 6):
+        store.done_reading()   # as a new command
+        store.readable(f"{url}/checkpoints/{step}", log=logs.append)
+    assert cached() == [4, 6], logs
+    assert [line for line in logs if line.startswith("note:")] == [
+        f"note: removed step 2 from the read cache {local} (it keeps the {store.READ_CACHE_STEPS} steps of a run "
+        "read last)"], logs
+    store.readable(f"{url}/checkpoints/2", log=logs.append)   # 6 is read still (by this process): 4 goes
+    assert cached() == [2, 6], logs
+    store.readable(f"{url}/checkpoints/4", log=logs.append)   # 2 and 6 are read still: both stay
+    assert cached() == [2, 4, 6], logs
+    store.done_reading()
+    store.readable(f"{url}/checkpoints/4", log=logs.append)
+    assert cached() == [2, 4], logs   # 6 read before 2
+
+
 def test_a_transfer_waited_for_says_how_far_it_is(served, tmp_path, monkeypatch):
     """A pull says its bytes received as they come, and a wait for an upload the bytes sent,
     on both stores (s3fs reports each file's bytes as increments, gcsfs's uploads as totals)."""

@@ -967,18 +967,31 @@ def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path
 # The read cache's steps that commands are reading: a shared flock on READ/.../.reading/<step>
 # per step, held by each reader until it ends (the kernel drops it however the process ends).
 # A step no longer in the store is removed from the cache only when no command holds it.
+# The lock's time is when a command last took it: a run's cache keeps the READ_CACHE_STEPS
+# steps read last (and any step a command still reads), so that reading step after step of a
+# run does not fill the disk (4 GB of weights a step for atom_1b).
 READING = ".reading"
+READ_CACHE_STEPS = 2
 _read_locks: dict[str, int] = {}
 
 
 def _read_lock(path: Path) -> None:
-    """This process reads the cached step `path` names until it ends: no other command removes it."""
-    if str(path) in _read_locks:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_SH)   # waits only while another command removes the step
-    _read_locks[str(path)] = fd
+    """This process reads the cached step `path` names until it ends (or `done_reading`): no
+    other command removes it meanwhile."""
+    if str(path) not in _read_locks:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)   # waits only while another command removes the step
+        _read_locks[str(path)] = fd
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
+
+
+def done_reading() -> None:
+    """The steps this process read from the read cache may leave it (a process that reads one
+    step after another: each held until it ends otherwise)."""
+    while _read_locks:
+        os.close(_read_locks.popitem()[1])
 
 
 def _remove_unread(step_dir: Path, lock: Path) -> bool:
@@ -994,6 +1007,22 @@ def _remove_unread(step_dir: Path, lock: Path) -> bool:
         return True
     finally:
         os.close(fd)   # the lock with it
+
+
+def _evict(local: Path, want: int, log: Log) -> None:
+    """The cached steps of a run beyond the READ_CACHE_STEPS read last (`want` among them)
+    removed, unless a command reads them."""
+    def last_read(step: str) -> int:
+        try:
+            return (local / READING / step).stat().st_mtime_ns
+        except FileNotFoundError:
+            return 0
+    others = sorted((p.name for p in (local / CHECKPOINTS).iterdir() if p.name.isdigit() and p.name != str(want)),
+                    key=last_read, reverse=True)
+    for name in others[READ_CACHE_STEPS - 1:]:
+        if _remove_unread(local / CHECKPOINTS / name, local / READING / name):
+            log(f"note: removed step {name} from the read cache {local} (it keeps the {READ_CACHE_STEPS} steps "
+                "of a run read last)")
 
 
 _STEP_URL = re.compile(r"^(.*)/" + CHECKPOINTS + r"/(\d+)$")
@@ -1038,6 +1067,7 @@ def readable(value: str, step: Optional[int] = None, log: Log = print, items=Non
                 raise CheckpointError(f"the read cache's step {want} of {url} ({p}) differs from the store's, "
                                       "and another command reads it: run this one again once it ends")
         _read_lock(local / READING / str(want))
+        _evict(local, want, log)
         files = steps[want]["files"]
         needed = {n: size for n, size in files.items()
                   if items is None or "/" not in n or n.split("/", 1)[0] in items}
