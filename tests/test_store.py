@@ -436,6 +436,29 @@ def test_the_read_cache_keeps_the_steps_read_last(s3, bucket, tmp_path, monkeypa
     assert cached() == [2, 4], logs   # 6 read before 2
 
 
+def test_a_pull_the_disk_cannot_hold_is_refused_before_a_byte_comes(s3, bucket, tmp_path, monkeypatch, capsys):
+    """The trainer's pull into its stage and a reader's fetch into the read cache: a disk
+    without room for the step's files is refused at once (exit 2, one line), nothing fetched."""
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="run/checkpoints/2/params/a", Body=b"w" * 3000)
+    client.put_object(Bucket=bucket, Key=f"run/checkpoints/2/{store.COMMITTED}",
+                      Body=json.dumps({"step": 2, "files": {"params/a": 3000}}).encode())
+    real = store.shutil.disk_usage
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda path: real(path)._replace(free=2000))
+    url = f"s3://{bucket}/run"
+    for run, where in ((lambda: eval_cli(["--ckpt", url, "--no-progress"]), tmp_path / "cache"),
+                       (lambda: train_cli(["--config", "tiny", "--workdir", url, "--stage", str(tmp_path / "stage"),
+                                           "--no-progress"]), tmp_path / "stage")):
+        capsys.readouterr()
+        assert run() == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: cannot pull step 2 of {url} into {where}"), err
+        assert err[0].endswith(": it needs 0.00 GB more and the disk has 0.00 GB free; free some, or put it on a "
+                               "larger disk (the trainer's --stage DIR; FRACTUS_CACHE=DIR for the read cache)"), err
+        assert not [p for p in where.rglob("a") if p.is_file()]
+
+
 def test_a_transfer_waited_for_says_how_far_it_is(served, tmp_path, monkeypatch):
     """A pull says its bytes received as they come, and a wait for an upload the bytes sent,
     on both stores (s3fs reports each file's bytes as increments, gcsfs's uploads as totals)."""

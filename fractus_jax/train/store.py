@@ -937,6 +937,13 @@ def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     size = sum(files[n] for n in names)
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(checkpoints).free
+    if size > free:   # refused before a byte comes, not when the disk fills
+        raise CheckpointError(f"cannot pull step {step} of {store.url} into {checkpoints}: it needs "
+                              f"{size / 1e9:.2f} GB more and the disk has {free / 1e9:.2f} GB free; free some, "
+                              "or put it on a larger disk (the trainer's --stage DIR; FRACTUS_CACHE=DIR for the "
+                              "read cache)")
     log(f"pulling step {step} ({size / 1e6:.1f} MB) from {store.url_of(CHECKPOINTS, str(step))}"
         + (f"; {len(kept)} of its files are here already" if kept else ""))
     store.get([f"{CHECKPOINTS}/{step}/{n}" for n in names], [tmp / n for n in names],
