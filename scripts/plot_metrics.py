@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -145,10 +146,19 @@ def plot(rows: list[dict], out: Path, title: str) -> dict[str, list[str]]:
             for name, ax in axes.items()}
 
 
+def _local(value: str) -> Path:
+    """A path of this machine: a URL (a run on object storage) is refused, not collapsed to
+    "s3:/..." (plot its stage, which the run's end-of-run lines name)."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value):   # fractus_jax.urls.URL (this script imports nothing of the package)
+        raise argparse.ArgumentTypeError(f"{value!r} is a URL: give a local path (a run on object storage: "
+                                         "its stage, which the run's last lines name)")
+    return Path(value)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/metrics.png")
+    p.add_argument("run_dir", type=_local)
+    p.add_argument("--out", type=_local, default=None, help="default: RUN_DIR/metrics.png")
     args = p.parse_args(argv)
     path = args.run_dir / "metrics.jsonl" if args.run_dir.is_dir() else args.run_dir
     if not path.exists():

@@ -248,6 +248,17 @@ def test_the_event_records_are_tensorboards_protobufs_byte_for_byte():
     ("convert", ["export", "--ckpt", "ftp://runs/tiny", "--out", "model.pt"]),
     ("convert", ["import", "--pt", "model.pt", "--config", "tiny", "--out", "ftp://runs/imported"]),
     ("convert", ["export", "--ckpt", "runs/tiny", "--out", "s3://runs/model.pt"]),
+    ("convert", ["import", "--pt", "s3://runs/model.pt", "--config", "tiny", "--out", "imported"]),
+    ("convert", ["import", "--pt", "model.pt", "--opt", "gs://runs/model.opt", "--config", "tiny", "--out", "x"]),
+    ("eval", ["--ckpt", "runs/tiny", "--corpus", "s3://data/held.u16"]),
+    ("grow", ["--ckpt", "runs/tiny", "--out", "grown", "--add-layers", "1", "--corpus", "gs://data/c.u16"]),
+    ("atom", ["build", "--src", "s3://data/text", "--out", "c.u16"]),
+    ("atom", ["build", "--src", "text", "--out", "gs://data/c.u16"]),
+    ("atom", ["validate", "s3://data/c.u16"]),
+    ("atom", ["stats", "s3://data/c.u16"]),
+    ("atom", ["decode", "s3://data/c.u16"]),
+    ("bench", ["store", "--url", "s3://b/p", "--stage", "gs://b/stage"]),
+    ("bench", ["lanes", "--dir", "s3://b/corpora"]),
 ])
 def test_an_object_storage_url_is_refused_not_taken_as_a_local_path(command, argv, tmp_path, monkeypatch, capsys):
     """A run directory given as a URL a command does not serve (s3:// and gs:// are served where

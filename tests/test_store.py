@@ -850,6 +850,33 @@ def test_the_commands_train_on_a_url_resume_it_and_read_it(served, corpus_file, 
                                                 "(steps: [2, 4, 6])")
 
 
+def test_a_fresh_run_starts_from_the_weights_of_a_run_on_a_url(bucket, corpus_file, tmp_path, monkeypatch, capsys):
+    """init_from=s3://.../checkpoints/N: the step's weights fetched into the read cache (its
+    moments left in the store), and the new run equal, bit for bit, to one started from that
+    step on disk; a corpus given as a URL is refused before anything is written."""
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    url = f"s3://{bucket}/run"
+    train_url(tiny(corpus_file, "max_steps=2", "save_every=2"), url, tmp_path / "source")
+    common = ["--config", "tiny", "--set", f"corpus={corpus_file}", "--set", "max_steps=1", "--set", "save_every=1",
+              "--no-progress"]
+    capsys.readouterr()
+    assert train_cli([*common, "--workdir", str(tmp_path / "a"), "--set", f"init_from={url}/checkpoints/2"]) == 0
+    err = capsys.readouterr().err
+    assert "pulling step 2 " in err and f"weights from {url}/checkpoints/2; fresh optimizer moments" in err, err
+    cached = next((tmp_path / "cache" / "read").rglob(rundir.CHECKPOINTS)) / "2"
+    assert {p.name for p in cached.iterdir() if p.is_dir()} == set(ckpt_lib.WEIGHTS_ITEMS)
+    source = tmp_path / "source" / rundir.CHECKPOINTS / "2"
+    assert train_cli([*common, "--workdir", str(tmp_path / "b"), "--set", f"init_from={source}"]) == 0
+    assert_same_state(tmp_path / "a", tmp_path / "b", tiny(corpus_file, "max_steps=1"))
+    capsys.readouterr()
+    assert train_cli([*common[:2], "--workdir", str(tmp_path / "c"), "--set", f"corpus={url}/held.u16",
+                      "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {url}/held.u16: a s3:// URL; a corpus is read from this "
+                                                "machine's disk (or a filesystem mounted on every host): copy it "
+                                                "here first and give its path")
+    assert not (tmp_path / "c").exists()
+
+
 def test_grow_and_import_write_a_new_run_to_a_url(served, straight, corpus_file, tmp_path, monkeypatch, capsys):
     """grow --out and convert import --out take a URL that holds no run: the new run is
     committed in the store, reads as the same run written locally, and trains on from there."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from fractus_jax.atom import build, corpus, stream
 from fractus_jax.atom.bench import bench_encode
 from fractus_jax.atom.reader import CorpusError
+from fractus_jax.urls import local_path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,9 +19,9 @@ def _parser() -> argparse.ArgumentParser:
                                 description="The Atom id stream: corpora and inspection.")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="encode text files into a corpus (incremental)")
-    b.add_argument("--src", nargs="+", required=True, metavar="PATH",
+    b.add_argument("--src", nargs="+", required=True, metavar="PATH", type=local_path,
                    help="files or directories: .txt .md .py .jsonl, or those .gz")
-    b.add_argument("--out", required=True, metavar="FILE_OR_DIR",
+    b.add_argument("--out", required=True, metavar="FILE_OR_DIR", type=local_path,
                    help="the corpus: a file (.u16 or .i16), or a directory of shards (a path without "
                         "that suffix: new sources become new shards after its last one)")
     b.add_argument("--shard-mb", type=float, default=build.SHARD_BYTES / 2**20, metavar="MB",
@@ -29,16 +30,16 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="rebuild from scratch")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     s = sub.add_parser("stats", help="boundary histogram, documents, bytes per id")
-    s.add_argument("file", help="a corpus file, or shards: a directory, a glob or a .list file")
+    s.add_argument("file", type=local_path, help="a corpus file, or shards: a directory, a glob or a .list file")
     s.add_argument("--json", action="store_true")
     d = sub.add_parser("decode", help="show ids of a corpus as text")
-    d.add_argument("file")
+    d.add_argument("file", type=local_path)
     d.add_argument("--offset", type=int, default=0)
     d.add_argument("--count", type=int, default=512)
     d.add_argument("--markers", action="store_true", help="show special ids inline")
     d.add_argument("--ids", action="store_true", help="print the raw ids")
     v = sub.add_parser("validate", help="check every id is in 0-265")
-    v.add_argument("file", help="a corpus file, or shards: a directory, a glob or a .list file")
+    v.add_argument("file", type=local_path, help="a corpus file, or shards: a directory, a glob or a .list file")
     e = sub.add_parser("encode", help="encode a text argument, print the ids")
     e.add_argument("text")
     e.add_argument("--open", action="store_true", help="the open (prompt) form")

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from fractus_jax.atom.ids import BOS, BOUNDARIES, EOS, NAMES, PAD, VOCAB
+from fractus_jax.urls import URL
 
 FORMAT = "fractus-atom-corpus"
 FORMAT_VERSION = 1
@@ -431,7 +432,11 @@ def is_shard_set(path) -> bool:
 
 def open_corpus(path):
     """Open a corpus for reading (memory-mapped): a file (Corpus) or a set of shards
-    (ShardedCorpus). Raises CorpusError."""
+    (ShardedCorpus). Raises CorpusError, for a URL too (a corpus is read from this machine)."""
+    m = URL.match(str(path))
+    if m:
+        raise CorpusError(f"{path}: a {m.group(1)}:// URL; a corpus is read from this machine's disk (or a "
+                          "filesystem mounted on every host): copy it here first and give its path")
     try:
         if is_shard_set(path):
             paths, root = shard_paths(path)

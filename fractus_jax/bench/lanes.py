@@ -29,6 +29,7 @@ from fractus_jax.atom.stream import encode
 from fractus_jax.lanes import LaneReader
 from fractus_jax.train.data import chunk_features
 from fractus_jax.train.prepare import split_corpus
+from fractus_jax.urls import local_path
 
 
 def sample_text_ids() -> np.ndarray:
@@ -83,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--val-fraction", type=float, default=0.001)
     p.add_argument("--features", action="store_true", help="also compute the Atom packet features")
-    p.add_argument("--dir", default=None, help="write the corpora here (default: a temporary folder)")
+    p.add_argument("--dir", default=None, type=local_path, help="write the corpora here (default: a temporary folder)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if min(args.shards, args.ids_per_shard, args.batch, args.seq, args.steps) < 1:

@@ -31,6 +31,7 @@ import numpy as np
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import store
 from fractus_jax.train.rundir import CheckpointError
+from fractus_jax.urls import local_path
 
 PARTS = 8   # the weights in this many arrays, as a model's are in several
 
@@ -104,14 +105,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--url", required=True, type=store.workdir_arg,
                    help="s3://BUCKET/PATH or gs://BUCKET/PATH (a run directory of its own)")
     p.add_argument("--gb", type=float, default=1.0, help="the state's size in GB (default 1)")
-    p.add_argument("--stage", type=Path, help="the two stages' parent (default: a temporary folder, removed after)")
+    p.add_argument("--stage", type=local_path, help="the two stages' parent (default: a temporary folder, removed after)")
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = p.parse_args(argv)
     if not store.scheme_of(args.url):
         p.error(f"--url {args.url!r}: give an s3:// or gs:// URL")
     if not args.gb > 0:
         p.error(f"--gb {args.gb:g}: give a size above 0")
-    parent = args.stage or Path(tempfile.mkdtemp(prefix="fractus-bench-store-"))
+    parent = Path(args.stage or tempfile.mkdtemp(prefix="fractus-bench-store-"))
     try:
         r = measure(args.url, args.gb, parent)
     except CheckpointError as e:

@@ -12,7 +12,8 @@ from fractus_jax.convert.state_dicts import ConversionError
 from fractus_jax.train.config import ConfigError
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import store
-from fractus_jax.train.rundir import CheckpointError, local_path
+from fractus_jax.train.rundir import CheckpointError
+from fractus_jax.urls import local_path
 
 
 def parse_args(argv=None):
@@ -29,13 +30,13 @@ def parse_args(argv=None):
     e.add_argument("--hub", action="store_true",
                    help="the model hub's names: <stem>.bin for a .pt, <stem>.opt.bin for the moments")
     i = sub.add_parser("import", help="a PyTorch checkpoint → a new run directory the trainer resumes")
-    i.add_argument("--pt", required=True, metavar="FILE", help=".pt, .bin, .pth or .safetensors")
+    i.add_argument("--pt", required=True, metavar="FILE", type=local_path, help=".pt, .bin, .pth or .safetensors")
     i.add_argument("--out", required=True, metavar="DIR", type=store.workdir_arg,
                    help="the new run directory, or an s3:// or gs:// URL that holds no run")
     i.add_argument("--config", required=True, help="a config name (fractus_jax/configs/NAME.py) or a path: the run's TrainConfig")
     i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, as for the trainer")
-    i.add_argument("--opt", dest="opt_file", metavar="FILE",
+    i.add_argument("--opt", dest="opt_file", metavar="FILE", type=local_path,
                    help="the optimizer file (default: <stem>.opt or <stem>.opt.bin beside --pt)")
     i.add_argument("--no-opt", action="store_true", help="ignore any optimizer file: fresh moments")
     i.add_argument("--fresh-carry", action="store_true", help="start from a zero carry even if the batch matches")

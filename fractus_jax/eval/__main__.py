@@ -29,6 +29,7 @@ from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import store
 from fractus_jax.train.heldout import carry_schedule
 from fractus_jax.train.rundir import CheckpointError
+from fractus_jax.urls import local_path
 
 BUILD_HINT = "make one from text with: python -m fractus_jax.atom build --src TEXT_FILE --out HELD_OUT.u16"
 
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True, metavar="DIR_OR_STEP", type=store.workdir_arg,
                    help="a run directory (its newest good checkpoint) or DIR/checkpoints/<step>")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
-    p.add_argument("--corpus", default=None, metavar="FILE",
+    p.add_argument("--corpus", default=None, metavar="FILE", type=local_path,
                    help="held-out id file (default: the part the run held out)")
     p.add_argument("--ids", type=int, default=None, metavar="N", help="score the first N ids (default: all)")
     p.add_argument("--lanes", type=int, default=None, metavar="B", help="lanes (default: the run's batch_size)")

@@ -17,6 +17,7 @@ from fractus_jax.grow import run as grow_run
 from fractus_jax.growth import GrowthError, GrowthSpec
 from fractus_jax.train import store
 from fractus_jax.train.rundir import CheckpointError, read_manifest
+from fractus_jax.urls import local_path
 
 
 def parse_args(argv=None):
@@ -36,7 +37,7 @@ def parse_args(argv=None):
                         "corpus is readable), the last logged probe expert_hits, or none (widest gaps)")
     p.add_argument("--probe-rows", type=int, default=8, metavar="N",
                    help="rows of the next batch on which the change is measured (default 8)")
-    p.add_argument("--corpus", metavar="FILE", help="the corpus, if it moved since training")
+    p.add_argument("--corpus", metavar="FILE", type=local_path, help="the corpus, if it moved since training")
     p.add_argument("--seed", type=int, default=0, help="seed of the new tensors (folded with the step)")
     return p.parse_args(argv)
 

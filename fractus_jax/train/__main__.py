@@ -18,6 +18,7 @@ from fractus_jax.train.errors import TrainError
 from fractus_jax.train.heldout import carry_schedule
 from fractus_jax.train.rundir import METRICS
 from fractus_jax.train.tboard import DIRNAME as TENSORBOARD
+from fractus_jax.urls import local_path
 
 
 def parse_args(argv=None):
@@ -26,7 +27,7 @@ def parse_args(argv=None):
     p.add_argument("--workdir", required=True, type=store.workdir_arg,
                    help="run directory: checkpoints, manifest, metrics; a local path, s3://BUCKET/PATH or "
                         "gs://BUCKET/PATH (trained in a local stage, each commit uploaded)")
-    p.add_argument("--stage", type=rundir.local_path, metavar="DIR",
+    p.add_argument("--stage", type=local_path, metavar="DIR",
                    help="with an s3:// or gs:// --workdir: the local directory the run is trained in (default: "
                         "FRACTUS_CACHE/stage/SCHEME/BUCKET/PATH); the store stays the truth")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -155,7 +155,7 @@ class _Trainer:
                 log(note)
         else:
             rd.start_metrics(None)
-            self.state = self._fresh_state(shardings)
+            self.state = self._fresh_state(shardings, plan.init_from or cfg.init_from)
         self.ckpt.expect(self.state)   # the deadline margin's save, until one is timed
         self.plan = plan
         self.passes = [dict(p) for p in plan.passes]   # the last: the pass the lanes are in
@@ -179,11 +179,11 @@ class _Trainer:
         self.last = {}
         self.t_prev = time.time()
 
-    def _fresh_state(self, shardings):
+    def _fresh_state(self, shardings, init_from: Optional[str]):
         cfg = self.cfg
-        if not cfg.init_from:
+        if not init_from:
             return state_lib.create_train_state(cfg, self.mesh, jax.random.PRNGKey(cfg.seed), shardings)[0]
-        params, _ = ckpt_lib.load_for_inference(cfg.init_from, params_shardings=shardings["params"])
+        params, _ = ckpt_lib.load_for_inference(init_from, params_shardings=shardings["params"])
         self.log(f"weights from {cfg.init_from}; fresh optimizer moments (warmup advised)")
         return state_lib.state_around(cfg, params, shardings)
 

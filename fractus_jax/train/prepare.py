@@ -7,7 +7,7 @@ A refused run leaves the disk as it was (docs/training.md).
 from __future__ import annotations
 
 import dataclasses
-import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +24,7 @@ from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import growth as growth_lib
 from fractus_jax.train import rundir
 from fractus_jax.train import state as state_lib
+from fractus_jax.train import store
 from fractus_jax.train.config import TrainConfig, resolve_for_mesh
 from fractus_jax.train.errors import TrainError
 
@@ -158,6 +159,7 @@ class Plan:
     val: Optional[CorpusPart] = None     # the held-out part (val_fraction's tail or val_corpus)
     passes: list = dataclasses.field(default_factory=list)   # the manifest's `passes`, to the current one
     notes: list = dataclasses.field(default_factory=list)    # said when the run starts
+    init_from: Optional[str] = None   # cfg.init_from's checkpoint on this machine (a URL's, fetched)
 
     def __post_init__(self):
         if self.train is None:
@@ -166,17 +168,13 @@ class Plan:
             self.passes = [pass_record(0, 1, self.train)]
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("FRACTUS_CACHE", Path.home() / ".cache" / "fractus_jax"))
-
-
 def open_training_corpus(cfg: TrainConfig, progress: bool = True):
     path = cfg.corpus
     if not path:
         if cfg.model.vocab_size != ATOM_VOCAB:
             raise TrainError("no corpus set: the embedded default corpus is an Atom (266-id) stream, "
                              f"this model's vocab is {cfg.model.vocab_size}; pass --set corpus=FILE")
-        path = corpus_lib.build_default_corpus(cache_dir(), progress=progress)
+        path = corpus_lib.build_default_corpus(rundir.cache_dir(), progress=progress)
     try:
         corpus = corpus_lib.open_corpus(path)
         corpus.validate(vocab=cfg.model.vocab_size)
@@ -226,8 +224,6 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset
         cfg, split_note = keep_no_split(cfg, workdir, manifest, explicit)
         notes += [split_note] if split_note else []
         check_resume(cfg, workdir, manifest)
-    elif cfg.init_from:
-        check_init_from(cfg)
     corpus = open_training_corpus(cfg, progress)
     if manifest is None:
         train, val = split_corpus(corpus, cfg.val_fraction)
@@ -244,17 +240,20 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset
     if cfg.eval_every:
         check_val_slice(cfg, val)
     if manifest is None:
-        return Plan(cfg, workdir, corpus, None, cfg.start_token or 0, None, train=train, val=val)
+        init_from = check_init_from(cfg) if cfg.init_from else None   # last: it may fetch from a store
+        return Plan(cfg, workdir, corpus, None, cfg.start_token or 0, None, train=train, val=val, init_from=init_from)
     pos = cfg.start_token if cfg.start_token is not None else int(manifest["start_token_next"])
     return Plan(cfg, workdir, corpus, int(manifest["step"]), pos, manifest, rejected, note, train=train, val=val,
                 passes=recorded_passes(manifest, train, cfg), notes=notes)
 
 
-def check_init_from(cfg: TrainConfig) -> None:
+def check_init_from(cfg: TrainConfig) -> str:
     """init_from names a checkpoint whose weights fit the config's engine, so that the new
-    run's state is built around them (nothing else to initialise)."""
+    run's state is built around them (nothing else to initialise). Returns its local path: a
+    path as it is, a URL's step fetched into the read cache (its weights alone)."""
     try:
-        _, step, source = ckpt_lib.checkpoint_config(cfg.init_from)
+        path = store.readable(cfg.init_from, items=ckpt_lib.WEIGHTS_ITEMS, log=lambda m: print(m, file=sys.stderr))
+        _, step, source = ckpt_lib.checkpoint_config(path, items=ckpt_lib.WEIGHTS_ITEMS)
     except rundir.CheckpointError as e:
         raise TrainError(f"init_from={cfg.init_from}: {e}") from None
     differ = [f"{k}: {getattr(source.model, k)!r} there, {getattr(cfg.model, k)!r} here" for k in
@@ -262,6 +261,7 @@ def check_init_from(cfg: TrainConfig) -> None:
     if differ:
         raise TrainError(f"init_from={cfg.init_from}: the weights of its step {step} are another engine's "
                          f"({'; '.join(differ)}); set the config's model to the source's")
+    return path
 
 
 def keep_no_split(cfg: TrainConfig, workdir: Path, manifest: dict, explicit=frozenset()):

@@ -12,14 +12,12 @@ files and no JAX, so that the lock is cheap to take and to test.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import errno
 import fcntl
 import json
 import math
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -47,6 +45,12 @@ class RunDirBusy(CheckpointError):
 
 class RunDirIOError(CheckpointError):
     """A read or write of the run directory failed (disk full, permission, a damaged file)."""
+
+
+def cache_dir() -> Path:
+    """What this machine keeps between runs (FRACTUS_CACHE, or ~/.cache/fractus_jax): the
+    embedded corpus, the stages and the read cache of runs on object storage."""
+    return Path(os.environ.get("FRACTUS_CACHE", Path.home() / ".cache" / "fractus_jax"))
 
 
 def reason(e: BaseException) -> str:
@@ -515,18 +519,3 @@ class RunDir:
             raise first
 
 
-URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")   # scheme://rest: never a local path
-
-
-def local_path(value: str) -> str:
-    """The argparse type of a path that must be local (an output file, a new run directory
-    written by grow or import, a stage): a local path or a filesystem mounted on every host.
-    A URL (s3://, gs://, ...) is refused with exit 2: it is never taken as the local directory
-    its slashes would collapse to ("s3:/runs/x"). (Where a run is trained or read, s3:// and gs://
-    are served: `store.workdir_arg`.)"""
-    if URL.match(value):
-        scheme = URL.match(value).group(1)
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is a {scheme}:// URL; this option takes a local path (or a filesystem mounted "
-            "on every host): give a path")
-    return value

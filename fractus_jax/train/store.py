@@ -74,10 +74,10 @@ import jax
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import policy, rundir
 from fractus_jax.train import transfer as transfer_lib
-from fractus_jax.train.prepare import cache_dir
 from fractus_jax.train.rundir import (CHECKPOINTS, MANIFEST, METRICS, ORBAX_TMP, REJECTED, CheckpointError, RunDirBusy,
                                      RunLock)
 from fractus_jax.train.tboard import DIRNAME as TENSORBOARD
+from fractus_jax.urls import URL
 
 LEASE = "lease.json"
 COMMITTED = "committed.json"
@@ -109,14 +109,13 @@ SEND_SECONDS = 30.0
 
 # scheme -> (the module fsspec needs for it, the extra that installs it); None: not served yet
 SCHEMES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gs")}
-_URL = rundir.URL
 
 Log = Callable[[str], None]
 
 
 def scheme_of(value: str) -> Optional[str]:
     """The URL scheme of a --workdir value, or None for a local path."""
-    m = _URL.match(str(value))
+    m = URL.match(str(value))
     return m.group(1).lower() if m else None
 
 
@@ -131,7 +130,7 @@ def check_url(value: str) -> str:
     module, extra = SCHEMES[scheme]
     if importlib.util.find_spec(module) is None:
         raise ValueError(f"{value!r} needs {module}, which is not installed: pip install 'fractus-jax[{extra}]'")
-    bucket, _, key = _URL.match(value).group(2).partition("/")
+    bucket, _, key = URL.match(value).group(2).partition("/")
     if not bucket or not key.strip("/"):
         raise ValueError(f"{value!r}: give a bucket and a path inside it ({scheme}://BUCKET/PATH)")
     return value
@@ -148,8 +147,8 @@ def workdir_arg(value: str) -> str:
 
 def default_stage(url: str) -> Path:
     """Where a URL's run is staged when --stage is not given: the cache directory's stage/."""
-    scheme, rest = _URL.match(url).groups()
-    return cache_dir() / "stage" / scheme / rest.strip("/")
+    scheme, rest = URL.match(url).groups()
+    return rundir.cache_dir() / "stage" / scheme / rest.strip("/")
 
 
 def _timed_out_sending(e: Optional[BaseException]) -> bool:
@@ -239,7 +238,7 @@ class Store:
     def __init__(self, url: str):
         check_url(url)
         self.url = url.rstrip("/")
-        self.scheme, rest = _URL.match(self.url).groups()
+        self.scheme, rest = URL.match(self.url).groups()
         self.root = rest.strip("/")
         self.bucket = self.root.split("/", 1)[0]
         self.fs = _filesystem(self.scheme)
@@ -1064,7 +1063,7 @@ def readable(value: str, step: Optional[int] = None, log: Log = print, items=Non
             want = max(steps)
         if want not in steps:
             raise CheckpointError(f"{url} has no committed checkpoint at step {want} (steps: {sorted(steps)})")
-        local = cache_dir() / "read" / src.scheme / src.root
+        local = rundir.cache_dir() / "read" / src.scheme / src.root
         checkpoints = local / CHECKPOINTS
         checkpoints.mkdir(parents=True, exist_ok=True)
         for p in checkpoints.iterdir():   # the cache holds some of what the store still commits, as it has it
