@@ -810,6 +810,7 @@ def test_the_commands_train_on_a_url_resume_it_and_read_it(served, corpus_file, 
         from_stage = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert from_url["step"] == from_stage["step"] == (4 if "--step" in argv else 6)
         assert from_url["nats"] == from_stage["nats"] and from_url["n_ids"] == from_stage["n_ids"] > 0
+        assert from_url["ckpt"] == url and from_stage["ckpt"] == str(stage)   # named as given, not the cache
     gen = ["--prompt", "def main(", "--max-new", "8", "--json"]
     assert generate_cli(["--ckpt", f"{url}/checkpoints/4", *gen]) == 0
     from_url = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
 from fractus_jax.atom import corpus as corpus_lib
@@ -54,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def held_out_ids(run_dir: Path, meta: dict, cfg, corpus: Optional[str]):
-    """(ids, a description) of what to score: --corpus, else the run's held-out part."""
+def held_out_ids(run, meta: dict, cfg, corpus: Optional[str]):
+    """(ids, a description) of what to score: --corpus, else the run's held-out part. run: the
+    run as its messages name it."""
     vocab = cfg.model.vocab_size
     if corpus:
         c = corpus_lib.open_corpus(corpus)
@@ -68,7 +68,7 @@ def held_out_ids(run_dir: Path, meta: dict, cfg, corpus: Optional[str]):
     if cfg.val_fraction:
         path = (meta.get("corpus") or {}).get("path") or cfg.corpus
         if not path:
-            raise _UserError(f"{run_dir}: the run records no corpus path; pass --corpus FILE")
+            raise _UserError(f"{run}: the run records no corpus path; pass --corpus FILE")
         c = corpus_lib.open_corpus(path)
         why = c.prefix_change(meta.get("corpus") or {})
         if why is not None:
@@ -79,7 +79,7 @@ def held_out_ids(run_dir: Path, meta: dict, cfg, corpus: Optional[str]):
         ids = c.ids[start:start + int(held["n_ids"])] if "n_ids" in held else c.ids[start:]
         c.validate(vocab=vocab)
         return ids, f"the {len(ids)} ids held out at the end of {c.path} (val_fraction={cfg.val_fraction:g})"
-    raise _UserError(f"{run_dir}: the run held out no part of its corpus (no val_fraction, no val_corpus): "
+    raise _UserError(f"{run}: the run held out no part of its corpus (no val_fraction, no val_corpus): "
                      f"pass --corpus FILE, an id file it did not train on ({BUILD_HINT})")
 
 
@@ -89,6 +89,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {msg}", file=sys.stderr)
         return 2
 
+    given = args.ckpt
     try:
         args.ckpt = store.readable(args.ckpt, args.step, log=lambda m: print(m, file=sys.stderr),
                                    items=ckpt_lib.WEIGHTS_ITEMS)
@@ -102,11 +103,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return fail(f"--{name} must be >= 1, got {value}")
     try:
         run_dir, named = ckpt_lib.resolve_checkpoint(args.ckpt)
+        run = given if store.scheme_of(given) else run_dir   # a URL's run named as the URL, not its read cache
         if named is not None and args.step is not None and args.step != named:
-            raise _UserError(f"{args.ckpt} is the checkpoint of step {named}, and step {args.step} was asked for")
+            raise _UserError(f"{given} is the checkpoint of step {named}, and step {args.step} was asked for")
         step, meta, cfg = ckpt_lib.read_step(run_dir, named if args.step is None else args.step,
                                              items=ckpt_lib.WEIGHTS_ITEMS)
-        ids, source = held_out_ids(run_dir, meta, cfg, args.corpus)
+        ids, source = held_out_ids(run, meta, cfg, args.corpus)
         if args.ids is not None:
             ids = ids[:args.ids]
         lanes = args.lanes or cfg.batch_size
@@ -118,12 +120,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = scorer.score(state["params"], ids, progress=not args.no_progress, desc=f"step {step}")
     except (_UserError, LaneError, CorpusError, CheckpointError, OSError) as e:
         return fail(str(e) or type(e).__name__)
-    out = {**result.to_json(), "step": step, "ckpt": str(run_dir), "corpus": source}
+    out = {**result.to_json(), "step": step, "ckpt": str(run), "corpus": source}
     if args.json:
         print(json.dumps(out))
         return 0
     bpb = lambda v: "" if v is None else f", {v:.4f} bits/byte"  # noqa: E731
-    print(f"{run_dir} step {step} on {source}")
+    print(f"{run} step {step} on {source}")
     print(f"  {result.n_ids} ids ({result.lanes} lanes x {result.n_chunks} chunks of {result.chunk})"
           + ("" if result.n_bytes is None else f", {result.n_bytes} bytes"))
     if not (result.schedule.never or result.schedule.every_chunk):
