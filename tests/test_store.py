@@ -222,9 +222,21 @@ def test_the_lease_admits_one_writer(served, monkeypatch):
         first.check()
     first.release()
     assert run.exists(store.LEASE)   # not ours any more: left alone
-    # a live holder on another host is waited for until its lease expires, then taken over
-    with pytest.raises(rundir.RunDirBusy):
+    # a holder on another machine is watched: refused once it renews its lease (it runs) ...
+    monkeypatch.setattr(store, "LEASE_POLL_SECONDS", 0.05)
+    renewal = threading.Timer(0.5, lambda: run.write(
+        b'{"holder": "other", "host": "elsewhere", "pid": 1, "expires": 1e12, "renewed": 1}', store.LEASE))
+    renewal.start()
+    with pytest.raises(rundir.RunDirBusy, match="is in use by pid 1 on elsewhere: it renewed its lease"):
         store.Lease(run, notes.append).acquire()
+    renewal.join()
+    assert notes[-1].startswith(f"note: {served[1]} is held by pid 1 on elsewhere; waiting up to "), notes
+    # ... taken once it lapses: unrenewed for LEASE_SECONDS (a pod that ended), or past its expiry
+    with monkeypatch.context() as m:
+        m.setattr(store, "LEASE_SECONDS", 0.5)
+        lapsed = store.Lease(run, notes.append).acquire()
+    assert notes[-1].startswith(f"note: took the lease of {served[1]}/lease.json (expired: pid 1 on elsewhere)")
+    lapsed.release()
     run.write(json.dumps({"holder": "old", "host": "elsewhere", "pid": 1, "expires": time.time() - 1}).encode(),
               store.LEASE)
     second = store.Lease(run, notes.append).acquire()
@@ -233,12 +245,16 @@ def test_the_lease_admits_one_writer(served, monkeypatch):
     assert not run.exists(store.LEASE)
     # a holder of this host whose process ended is taken over at once
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    # (a container with the same host name but another pid namespace does not count)
+    # (a container with the same host name but another pid namespace does not count: its
+    # lease is watched as another machine's, and taken once it lapses)
     for machine in ("another-boot/1", None):
         run.write(json.dumps({"holder": "dead", "host": store.socket.gethostname(), "pid": int(gone.stdout),
                               "machine": machine, "expires": time.time() + 1000}).encode(), store.LEASE)
-        with pytest.raises(rundir.RunDirBusy, match="is in use by pid"):
-            store.Lease(run, notes.append).acquire()
+        with monkeypatch.context() as m:
+            m.setattr(store, "LEASE_SECONDS", 0.5)
+            lapsed = store.Lease(run, notes.append).acquire()
+        assert "waiting up to" in notes[-2] and f"(expired: pid {int(gone.stdout)} on" in notes[-1], notes
+        lapsed.release()
     run.write(json.dumps({"holder": "dead", "host": store.socket.gethostname(), "pid": int(gone.stdout),
                           "machine": store._machine(), "expires": time.time() + 1000}).encode(), store.LEASE)
     third = store.Lease(run, notes.append).acquire()

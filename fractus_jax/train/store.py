@@ -85,6 +85,7 @@ UNPUSHED = "unpushed"
 PULL_TMP = ORBAX_TMP + "-pull"       # a step being pulled (removed at start like Orbax's leftovers)
 LEASE_SECONDS = 120.0                # a lease not renewed for this long is free to take
 LEASE_RENEW_SECONDS = 30.0
+LEASE_POLL_SECONDS = 5.0             # a start waiting on another's lease looks at it this often
 # A holder whose last renewal is older than this commits nothing more: past LEASE_SECONDS
 # another process may take the lease, and the margin covers clocks that disagree.
 LEASE_TRUST_SECONDS = LEASE_SECONDS - 2 * LEASE_RENEW_SECONDS
@@ -393,8 +394,10 @@ class Lease:
     never overwritten; taken over by the same conditional PUT once it expired (not
     renewed for LEASE_SECONDS: its holder died) or when its holder is a process of this
     machine and process namespace (the same boot and pid namespace: containers sharing a
-    host name do not count) that no longer lives. A store that ignores either condition is
-    refused at acquire. A holder that lost its lease (`lost`), or could not renew it for
+    host name do not count) that no longer lives. A lease another machine holds is watched
+    (`_await_lapse`): refused once its holder renews it, taken once it lapses, so that a new
+    pod started as the old one vanished waits for its lease rather than failing. A store
+    that ignores either condition is refused at acquire. A holder that lost its lease (`lost`), or could not renew it for
     LEASE_TRUST_SECONDS, commits nothing more."""
 
     def __init__(self, store: Store, log: Log):
@@ -479,21 +482,49 @@ class Lease:
         expired = float(held.get("expires", 0)) < now
         # a holder of this host that ended, or a lease this process left (a run here that
         # could not release it) and no longer holds
-        dead_here = held.get("host") == socket.gethostname() and held.get("machine") == _machine() and (
+        here = held.get("host") == socket.gethostname() and held.get("machine") == _machine()
+        dead_here = here and (
             not _alive(held.get("pid")) or (held.get("pid") == os.getpid() and held.get("holder") not in _HELD))
-        if not (expired or dead_here):
+        why = "expired" if expired else "its holder's process has ended, or let it go"
+        if here and not (expired or dead_here):   # a process of this machine that runs
             raise RunDirBusy(f"{self.store.url} is in use by pid {held.get('pid')} on {held.get('host')} (its lease, "
                              f"renewed every {LEASE_RENEW_SECONDS:.0f} s while it runs, holds for "
                              f"{float(held.get('expires', now)) - now:.0f} s more; one process writes a run at a "
                              "time: wait for it to end or stop it)")
+        if not (expired or dead_here):   # another machine's: its holder may have ended with its pod
+            why = self._await_lapse(version, held)
+            if why == "released":
+                return self._take_over()
         try:
             taken = self.store.replace(self._body(), version, LEASE)
         except OSError:
             raise RunDirBusy(f"{self.store.url}: another process took the lease at the same moment") from None
-        why = "expired" if expired else "its holder's process has ended, or let it go"
         self.log(f"note: took the lease of {self.store.url_of(LEASE)} ({why}: pid {held.get('pid')} "
                  f"on {held.get('host')})")
         return taken
+
+    def _await_lapse(self, version, held: dict) -> str:
+        """A lease another machine holds, watched: its holder renewing it runs, and this start is
+        refused (RunDirBusy, within LEASE_RENEW_SECONDS); a lease that lapses (past its expiry, or
+        unrenewed for LEASE_SECONDS by this clock) had a holder that stopped without letting it
+        go (a pod that ended), and is taken: "expired". "released": its holder let it go."""
+        who = f"pid {held.get('pid')} on {held.get('host')}"
+        started = time.monotonic()
+        left = lambda: min(float(held.get("expires", 0)) - time.time(),  # noqa: E731
+                           LEASE_SECONDS - (time.monotonic() - started))
+        self.log(f"note: {self.store.url} is held by {who}; waiting up to {left():.0f} s: a run that holds it "
+                 f"renews it every {LEASE_RENEW_SECONDS:.0f} s (this one is then refused), and one that stopped "
+                 "without letting it go leaves it to lapse (this one then takes it)")
+        while left() > 0:
+            time.sleep(min(LEASE_POLL_SECONDS, max(left(), 0.0)))
+            now = self.store.version(LEASE)
+            if now is None:
+                return "released"
+            if now != version:
+                raise RunDirBusy(f"{self.store.url} is in use by {who}: it renewed its lease (every "
+                                 f"{LEASE_RENEW_SECONDS:.0f} s while it runs); one process writes a run at a time: "
+                                 "wait for it to end or stop it")
+        return "expired"
 
     def renew(self) -> None:
         with self._lock:
