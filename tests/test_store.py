@@ -6,6 +6,7 @@ pod), ends bit for bit equal to a run never interrupted; a store cut in the midd
 upload loses nothing committed, the run says what failed, and the same command resumes; the
 lease admits one writer; a missing bucket, a URL that cannot be served and a store without
 conditional writes are refused before any step."""
+import collections
 import json
 import os
 import re
@@ -767,6 +768,28 @@ def test_a_new_pod_pulls_only_the_step_it_resumes_from(s3, bucket, straight, tmp
     assert_same_state(straight_dir, stage, cfg6)
     assert store_steps(s3, bucket, "run") == stage_steps(stage) == [4, 6]
     assert not s3.keys(bucket, "run/checkpoints/2/") and not s3.keys(bucket, "run/rejected/")
+
+
+def test_a_new_pod_hashes_the_step_it_pulls_once(s3, bucket, corpus_file, tmp_path, monkeypatch, capsys):
+    """The pull checks the step's files against their checksums, and the resume trusts that
+    check (the stage is locked between them): each file of the step is read once to hash it."""
+    url = f"s3://{bucket}/run"
+    common = ["--config", "tiny", "--workdir", url, "--set", f"corpus={corpus_file}", "--set", "save_every=2",
+              "--no-progress"]
+    assert train_cli([*common, "--stage", str(tmp_path / "a"), "--set", "max_steps=2"]) == 0
+    hashed = collections.Counter()
+    real = ckpt_lib._file_sha256
+
+    def counted(path):
+        hashed[Path(path)] += 1
+        return real(path)
+
+    monkeypatch.setattr(ckpt_lib, "_file_sha256", counted)
+    assert train_cli([*common, "--stage", str(tmp_path / "b"), "--set", "max_steps=4"]) == 0
+    assert "resumed " in capsys.readouterr().err
+    step_2 = tmp_path / "b" / "checkpoints" / "2"
+    files = {p for p in step_2.rglob("*") if p.is_file() and len(p.relative_to(step_2).parts) > 1}   # items' files
+    assert files and {p: hashed[p] for p in files} == {p: 1 for p in files}
 
 
 def test_a_resume_that_rejects_the_pulled_step_fetches_the_older_ones(s3, bucket, straight, tmp_path, monkeypatch):

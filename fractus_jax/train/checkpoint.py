@@ -544,9 +544,11 @@ def no_good_step_message(workdir, rejected, stop: Optional[str] = None) -> str:
             f"changed; move {Path(workdir) / CHECKPOINTS} away to start afresh")
 
 
-def newest_good_step(workdir, below: Optional[int] = None, items=None):
+def newest_good_step(workdir, below: Optional[int] = None, items=None, checked=frozenset()):
     """(step, meta, rejected, note) of the newest committed step (below `below`) whose files
-    (of `items`, or all) match their checksums and whose meta reads, without reading any array. rejected: the
+    (of `items`, or all) match their checksums and whose meta reads, without reading any array.
+    checked: steps whose files this process has just checked (a pull into a stage it locks),
+    not hashed again. rejected: the
     (step, why) of newer steps that do not; note: set when the step has no checksums to check.
     (None, None, rejected, None) when no step qualifies. Nothing is written."""
     workdir = Path(workdir)
@@ -558,7 +560,10 @@ def newest_good_step(workdir, below: Optional[int] = None, items=None):
         for step in sorted(ck.manager.all_steps(), reverse=True):
             if below is not None and step >= below:
                 continue
-            status, why = check_files(ck.step_dir(step), items)
+            if step in checked:
+                status, why = ("ok" if read_checksums(ck.step_dir(step)) is not None else "unchecked"), None
+            else:
+                status, why = check_files(ck.step_dir(step), items)
             if status == "bad":
                 rejected.append((step, why))
                 continue

@@ -183,9 +183,10 @@ def open_training_corpus(cfg: TrainConfig, progress: bool = True):
     return corpus
 
 
-def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset()) -> Plan:
+def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset(), checked=frozenset()) -> Plan:
     """Every check a user can fail, before anything is written to workdir. `explicit`: the
-    fields the user set on the command line (the others are the config file's)."""
+    fields the user set on the command line (the others are the config file's). `checked`:
+    steps whose files were just checked (`store.Mirror.checked`), not hashed again."""
     workdir = Path(workdir)
     n = cfg.mesh.data * cfg.mesh.fsdp
     if n > jax.device_count():
@@ -217,7 +218,7 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset
         raise TrainError(problem)
     if workdir.exists() and not workdir.is_dir():
         raise TrainError(f"workdir {workdir} exists and is not a directory")
-    manifest, rejected, note = resume_point(workdir)
+    manifest, rejected, note = resume_point(workdir, checked)
     notes = []
     if manifest is not None:
         cfg = growth_lib.grown_model_for(cfg, manifest) or cfg
@@ -310,14 +311,14 @@ def check_val_slice(cfg: TrainConfig, val: Optional[CorpusPart]) -> None:
                          f"chunks of seq_len={cfg.seq_len}): {e}") from None
 
 
-def resume_point(workdir: Path):
+def resume_point(workdir: Path, checked=frozenset()):
     """(meta, rejected, note) of the step a run in workdir resumes from: the newest committed
     step whose files match their checksums and whose meta reads, whatever the manifest says
     (it may lag a crash, or be gone). (None, [], None) for a fresh run. Reads only."""
     if not workdir.exists():
         return None, [], None
     try:
-        step, meta, rejected, note = ckpt_lib.newest_good_step(workdir)
+        step, meta, rejected, note = ckpt_lib.newest_good_step(workdir, checked=checked)
     except OSError as e:
         raise TrainError(f"cannot read the checkpoints of {workdir}: {rundir.reason(e)}") from None
     if step is None:

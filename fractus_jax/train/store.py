@@ -639,6 +639,7 @@ class Mirror:
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._push: Optional[concurrent.futures.Future] = None
         self._sending: Optional[transfer_lib.Transfer] = None   # the step's files of the upload in flight
+        self.checked: set[int] = set()   # steps the pull checked (checksums, finite flags): the resume trusts them
         self._pushes = collections.deque(maxlen=RECENT_PUSHES)
         self._guess = 0.0
         self._sizes: dict[str, int] = {}          # log files as last uploaded
@@ -697,7 +698,7 @@ class Mirror:
         return self.count > 1
 
     def _pull(self) -> None:
-        self.deferred = set()
+        self.deferred, self.checked = set(), set()
         steps = store_steps(self.store)
         for step in sorted(s for s, record in steps.items() if record is None):
             if self.lead:   # the lease holder's to clean; the others only read what is committed
@@ -734,6 +735,7 @@ class Mirror:
                 fetch_step(self.store, step, steps[step]["files"], local, self.log)
             if ckpt_lib.saved_unusable(local / str(step)) is None:
                 resumable = step
+                self.checked.add(step)
         if self.deferred:
             left = ", ".join(map(str, sorted(self.deferred)))
             self.log(f"note: step{'s' * (len(self.deferred) > 1)} {left} left in {self.url} (not pulled): the resume "
