@@ -20,8 +20,8 @@ PACKAGE = "fractus_jax"
 # above it; "fractus_jax" itself (the public engine API) is matched exactly.
 LAYERS = (
     # no engine: dtypes, the host's malloc, the Atom id stream (ids, encoder, features,
-    # corpora), the lanes a stream is read in
-    ("fractus_jax.dtypes", "fractus_jax.hostmem", "fractus_jax.atom", "fractus_jax.lanes"),
+    # corpora), the lanes a stream is read in, a path argument that is a URL
+    ("fractus_jax.dtypes", "fractus_jax.hostmem", "fractus_jax.atom", "fractus_jax.lanes", "fractus_jax.urls"),
     # pure functions of arrays
     ("fractus_jax.kernels",),
     # the engine: its config, parameters and forward, the mesh layout, the Flax modules,
