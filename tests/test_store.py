@@ -225,12 +225,15 @@ def test_the_lease_admits_one_writer(served, monkeypatch):
     assert run.exists(store.LEASE)   # not ours any more: left alone
     # a holder on another machine is watched: refused once it renews its lease (it runs) ...
     monkeypatch.setattr(store, "LEASE_POLL_SECONDS", 0.05)
-    renewal = threading.Timer(0.5, lambda: run.write(
-        b'{"holder": "other", "host": "elsewhere", "pid": 1, "expires": 1e12, "renewed": 1}', store.LEASE))
-    renewal.start()
+
+    def renewed_once_watched(line):   # the holder renews as the new start begins to watch
+        notes.append(line)
+        if " waiting up to " in line:
+            run.write(b'{"holder": "other", "host": "elsewhere", "pid": 1, "expires": 1e12, "renewed": 1}',
+                      store.LEASE)
+
     with pytest.raises(rundir.RunDirBusy, match="is in use by pid 1 on elsewhere: it renewed its lease"):
-        store.Lease(run, notes.append).acquire()
-    renewal.join()
+        store.Lease(run, renewed_once_watched).acquire()
     assert notes[-1].startswith(f"note: {served[1]} is held by pid 1 on elsewhere; waiting up to "), notes
     # ... taken once it lapses: unrenewed for LEASE_SECONDS (a pod that ended), or past its expiry
     with monkeypatch.context() as m:
@@ -488,12 +491,12 @@ def test_a_transfer_waited_for_says_how_far_it_is(served, tmp_path, monkeypatch)
 
     def log(line):
         logs.append(line)
-        if line.startswith("waiting for the upload"):
+        if line.startswith(f"waiting for the upload of step 2 to {url}: 5.0 of 5.0 MB ("):
             said.set()
 
     real_put = store.Store.put
 
-    def put(self, local, remote, transfer=None):   # the upload ends once its wait has said how far it is
+    def put(self, local, remote, transfer=None):   # the upload ends once its wait has said it is all sent
         real_put(self, local, remote, transfer)
         assert said.wait(30)
 
@@ -507,7 +510,9 @@ def test_a_transfer_waited_for_says_how_far_it_is(served, tmp_path, monkeypatch)
         mirror.settle()
     finally:
         mirror.close(quiet=True)
-    assert f"waiting for the upload of step 2 to {url}: 5.0 of 5.0 MB (" in logs[-1], logs
+    sent = [float(re.match(r"waiting for the upload of step 2 to \S+: ([\d.]+) of 5\.0 MB \(\d+ MB/s\)$", line)
+                  .group(1)) for line in logs if line.startswith("waiting for the upload")]
+    assert sent == sorted(sent) and sent[-1] == 5.0, logs   # the bytes as they were sent, to the last
     assert store.store_steps(store.Store(url))[2]["files"] == sizes
 
     monkeypatch.setattr(transfer_lib, "PROGRESS_SECONDS", 0.0)   # each file's bytes said as they come
