@@ -547,10 +547,10 @@ def no_good_step_message(workdir, rejected, stop: Optional[str] = None) -> str:
 def newest_good_step(workdir, below: Optional[int] = None, items=None, checked=frozenset()):
     """(step, meta, rejected, note) of the newest committed step (below `below`) whose files
     (of `items`, or all) match their checksums and whose meta reads, without reading any array.
-    checked: steps whose files this process has just checked (a pull into a stage it locks),
-    not hashed again. rejected: the
-    (step, why) of newer steps that do not; note: set when the step has no checksums to check.
-    (None, None, rejected, None) when no step qualifies. Nothing is written."""
+    rejected: the (step, why) of newer steps that do not; note: set when the step has no
+    checksums to check. (None, None, rejected, None) when no step qualifies. Nothing is
+    written. checked: steps whose files this process has just checked against their checksums
+    (a pull into a stage it locks), not hashed again."""
     workdir = Path(workdir)
     rejected = []
     if not (workdir / CHECKPOINTS).is_dir():

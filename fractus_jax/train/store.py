@@ -1100,9 +1100,13 @@ def readable(value: str, step: Optional[int] = None, log: Log = print, items=Non
         checkpoints = local / CHECKPOINTS
         checkpoints.mkdir(parents=True, exist_ok=True)
         for p in checkpoints.iterdir():   # the cache holds some of what the store still commits, as it has it
-            if (p.name.isdigit() and (int(p.name) not in steps or not _is_part(_step_files(p),
-                                                                               steps[int(p.name)]["files"]))
-                    and not _remove_unread(p, local / READING / p.name) and int(p.name) == want):
+            if not p.name.isdigit():
+                continue
+            record = steps.get(int(p.name))
+            if record is not None and _is_part(_step_files(p), record["files"]):
+                continue
+            removed = _remove_unread(p, local / READING / p.name)   # not while another command reads it
+            if not removed and int(p.name) == want:
                 raise CheckpointError(f"the read cache's step {want} of {url} ({p}) differs from the store's, "
                                       "and another command reads it: run this one again once it ends")
         _read_lock(local / READING / str(want))
