@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -595,6 +596,37 @@ def test_a_slow_upload_is_not_pruned_under_it(s3, bucket, corpus_file, tmp_path,
     assert strict(s3.read(bucket, "run/manifest.json").decode())["step"] == 4
 
 
+def test_the_stage_holds_the_step_saved_last_and_the_newest_good_one(s3, bucket, straight, tmp_path):
+    """keep_checkpoints=3: the store keeps the run's three newest steps (and its newest good
+    one); the stage drops each step once its upload has settled, holding the step just saved
+    and the newest good one: two steps while a save is written, however many are kept."""
+    cfg6, straight_dir = straight
+    state, meta = restore(straight_dir, cfg6, 4)
+    bad = dict(state, params={**state["params"], "observe": state["params"]["observe"] * np.nan})
+    stage, logs, staged = tmp_path / "stage", [], []
+    mirror = store.open_mirror(f"s3://{bucket}/run", stage, log=logs.append)
+    ck = ckpt_lib.RunCheckpointer(stage, keep=3, log=logs.append, mirror=mirror)
+    try:
+        for step, saved in [(1, state), (2, state), (3, bad), (4, bad), (5, state), (6, state)]:
+            ck.save(saved, dict(meta, step=step))
+            staged.append(stage_steps(stage))
+        mirror.settle()
+    finally:
+        ck.close()
+        mirror.close(quiet=True)
+    assert staged == [[1], [2], [2, 3], [2, 4], [5], [6]], staged
+    assert store_steps(s3, bucket, "run") == [4, 5, 6]
+    assert sum("holds NaN or Inf" in line for line in logs) == 2, logs
+    # the steps only the store holds are whole: each passes its checksums (and its flags say how it was saved)
+    pulled = tmp_path / "pod-b"
+    fetch = store.Store(f"s3://{bucket}/run")
+    for step in (4, 5):
+        files = json.loads(s3.read(bucket, f"run/checkpoints/{step}/committed.json"))["files"]
+        store.fetch_step(fetch, step, files, pulled / "checkpoints", logs.append)
+    assert ckpt_lib.saved_unusable(pulled / "checkpoints" / "5") is None
+    assert ckpt_lib.saved_unusable(pulled / "checkpoints" / "4") is not None   # not finite, as saved
+
+
 # ----------------------------------------------------------------------------- kills and cuts
 
 KILLED = r'''
@@ -641,9 +673,9 @@ def test_a_kill_inside_an_upload_resumes_from_a_fresh_stage_bit_exact(where, res
     assert metrics_steps(stage) == [1, 2, 3, 4, 5, 6]
     assert [strict(x)["step"] for x in s3.read(bucket, "run/metrics.jsonl").decode().splitlines()] == [1, 2, 3, 4, 5, 6]
     assert strict(s3.read(bucket, "run/manifest.json").decode())["step"] == 6
-    # the store keeps the run's three newest steps; the new stage pulled only the one it resumed
+    # the store keeps the run's three newest steps; the new stage, the step it saved last
     assert store_steps(s3, bucket, "run") == [2, 4, 6]
-    assert stage_steps(stage) == {2: [2, 4, 6], 4: [4, 6]}[resumed]
+    assert stage_steps(stage) == [6]
     if where == "after the commit":
         assert f"note: step 2 left in {url} (not pulled): the resume needs step 4 alone" in logs, logs
     assert "run/lease.json" not in s3.keys(bucket, "run/")
@@ -703,8 +735,7 @@ def test_a_store_cut_inside_an_upload_loses_nothing_committed(how, served, strai
     last, logs = train_url(cfg6, url, stage)
     assert f"resumed {stage} at step 2, lane offset {2 * cfg6.seq_len}" in logs, logs
     assert_same_state(straight_dir, stage, cfg6)
-    assert store_steps(s3, bucket, "run") == sorted(int(p.name) for p in (stage / "checkpoints").iterdir())
-    assert store_steps(s3, bucket, "run")[-1] == 6
+    assert store_steps(s3, bucket, "run") == [2, 4, 6] and stage_steps(stage) == [6]
 
 
 def test_a_store_that_stops_reading_a_body_fails_the_upload(served, tmp_path, monkeypatch):
@@ -750,10 +781,13 @@ def test_a_rejected_step_saved_again_is_moved_aside_in_the_store(s3, bucket, str
     assert f"note: moved the rejected {url}/checkpoints/4 to {url}/rejected/4" in logs, logs
     assert s3.read(bucket, "rejected/4/".join(biggest.split("checkpoints/4/"))) == bytes(data)
     assert_same_state(straight_dir, stage, cfg6)
-    assert store_steps(s3, bucket, "run") == sorted(int(p.name) for p in (stage / "checkpoints").iterdir())
+    assert store_steps(s3, bucket, "run") == [2, 4, 6] and stage_steps(stage) == [6]
+    # the store's step 4 is the one saved again: its commit names its files, and no other
     held = json.loads(s3.read(bucket, "run/checkpoints/4/committed.json"))["files"]
-    assert held == {str(p.relative_to(stage / "checkpoints" / "4")): p.stat().st_size
-                    for p in (stage / "checkpoints" / "4").rglob("*") if p.is_file()}
+    prefix = "run/checkpoints/4/"
+    assert held == {k[len(prefix):]: len(s3.read(bucket, k)) for k in s3.keys(bucket, prefix)
+                    if k != prefix + store.COMMITTED}
+    assert biggest[len(prefix):] not in held
 
 
 def test_a_new_pod_pulls_only_the_step_it_resumes_from(s3, bucket, straight, tmp_path):
@@ -771,7 +805,7 @@ def test_a_new_pod_pulls_only_the_step_it_resumes_from(s3, bucket, straight, tmp
     assert f"note: step 2 left in {url} (not pulled): the resume needs step 4 alone" in logs, logs
     assert f"resumed {stage} at step 4, lane offset {4 * cfg6.seq_len}" in logs, logs
     assert_same_state(straight_dir, stage, cfg6)
-    assert store_steps(s3, bucket, "run") == stage_steps(stage) == [4, 6]
+    assert store_steps(s3, bucket, "run") == [4, 6] and stage_steps(stage) == [6]
     assert not s3.keys(bucket, "run/checkpoints/2/") and not s3.keys(bucket, "run/rejected/")
 
 
@@ -792,8 +826,9 @@ def test_a_new_pod_hashes_the_step_it_pulls_once(s3, bucket, corpus_file, tmp_pa
     monkeypatch.setattr(ckpt_lib, "_file_sha256", counted)
     assert train_cli([*common, "--stage", str(tmp_path / "b"), "--set", "max_steps=4"]) == 0
     assert "resumed " in capsys.readouterr().err
-    step_2 = tmp_path / "b" / "checkpoints" / "2"
-    files = {p for p in step_2.rglob("*") if p.is_file() and len(p.relative_to(step_2).parts) > 1}   # items' files
+    step_2 = tmp_path / "b" / "checkpoints" / "2"   # pulled, then dropped from the stage once step 4 was saved
+    files = {step_2 / n for n in json.loads(s3.read(bucket, "run/checkpoints/2/committed.json"))["files"]
+             if "/" in n}   # the items' files
     assert files and {p: hashed[p] for p in files} == {p: 1 for p in files}
 
 
@@ -821,7 +856,7 @@ def test_a_resume_that_rejects_the_pulled_step_fetches_the_older_ones(s3, bucket
     assert f"resumed {stage} at step 2, lane offset {2 * cfg6.seq_len}" in logs, logs
     assert f"note: moved the rejected {url}/checkpoints/4 to {url}/rejected/4" in logs, logs
     assert_same_state(straight_dir, stage, cfg6)
-    assert store_steps(s3, bucket, "run") == stage_steps(stage) == [2, 4, 6]
+    assert store_steps(s3, bucket, "run") == [2, 4, 6] and stage_steps(stage) == [6]
 
 
 def test_the_commands_train_on_a_url_resume_it_and_read_it(served, corpus_file, tmp_path, capsys, monkeypatch):
@@ -845,20 +880,20 @@ def test_the_commands_train_on_a_url_resume_it_and_read_it(served, corpus_file, 
 
     # The reading commands read the URL (fetched into the read cache) as they read the stage.
     monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
-    stage = tmp_path / "b"
-    for argv in (["--ids", "512", "--json"], ["--step", "4", "--ids", "512", "--json"]):
+    stage = tmp_path / "b"   # holds step 6, the step it saved last; pod A's stage, step 4
+    for argv, staged in ((["--ids", "512", "--json"], stage), (["--step", "4", "--ids", "512", "--json"], tmp_path / "a")):
         argv = [*argv, "--corpus", str(corpus_file)]
         assert eval_cli(["--ckpt", url, *argv, "--no-progress"]) == 0
         from_url = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert eval_cli(["--ckpt", str(stage), *argv, "--no-progress"]) == 0
+        assert eval_cli(["--ckpt", str(staged), *argv, "--no-progress"]) == 0
         from_stage = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert from_url["step"] == from_stage["step"] == (4 if "--step" in argv else 6)
         assert from_url["nats"] == from_stage["nats"] and from_url["n_ids"] == from_stage["n_ids"] > 0
-        assert from_url["ckpt"] == url and from_stage["ckpt"] == str(stage)   # named as given, not the cache
+        assert from_url["ckpt"] == url and from_stage["ckpt"] == str(staged)   # named as given, not the cache
     gen = ["--prompt", "def main(", "--max-new", "8", "--json"]
     assert generate_cli(["--ckpt", f"{url}/checkpoints/4", *gen]) == 0
     from_url = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert generate_cli(["--ckpt", str(stage / "checkpoints" / "4"), *gen]) == 0
+    assert generate_cli(["--ckpt", str(tmp_path / "a" / "checkpoints" / "4"), *gen]) == 0
     from_stage = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for timing in ("ms_per_id", "seconds", "ids_per_s"):
         from_url.pop(timing, None), from_stage.pop(timing, None)

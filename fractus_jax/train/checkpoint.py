@@ -404,7 +404,7 @@ class RunCheckpointer:
             elif lead:
                 write_checksums(self.step_dir(step), finite)
             try:
-                self._prune()
+                self._prune(step)
             except Exception as e:   # noqa: BLE001 - an old step that stays is no loss
                 self.log(f"warning: cannot delete old checkpoints in {self.workdir / CHECKPOINTS} "
                          f"({rundir.reason(e)})")
@@ -424,26 +424,31 @@ class RunCheckpointer:
             self._good[step] = bool(finite) and all(finite.values())
         return self._good[step]
 
-    def _prune(self) -> None:
-        """Keep the newest `keep` steps and the newest good one; delete the others."""
+    def _prune(self, saved: int) -> None:
+        """Keep the newest `keep` steps and the newest good one; delete the others. A staged
+        run's stage holds only the step just saved and the newest good one: every older step
+        of the run is in the store (uploaded, the upload settled, or pulled from it), and
+        stays there alone (`store.Mirror.deferred`), fetched if a resume needs it."""
         if not self.keep or self.keep < 1:
             return
-        # A staged run's committed steps that the stage did not pull count as the run's too:
-        # each is older than the good step pulled, so it is never the newest good one.
+        # A staged run's committed steps that the stage does not hold count as the run's too:
+        # each is older than the newest good step the stage holds.
         deferred = set(self.mirror.deferred) if self.mirror is not None else set()
         steps = sorted(set(self.manager.all_steps()) | deferred)
         keep = set(steps[-self.keep:])
         good = [s for s in steps if s not in deferred and self._is_good(s)]
         if good:
             keep.add(good[-1])
+        staged = {saved, *good[-1:]}
         for s in steps:
-            if s in keep:
-                continue
             if s in deferred:
-                self.mirror.let_go(s)   # the store's copy goes after this step's commit
-            else:
+                if s not in keep:
+                    self.mirror.let_go(s)   # the store's copy goes after this step's commit
+            elif s not in keep or (self.mirror is not None and s not in staged):
                 self.manager.delete(s)
                 self._good.pop(s, None)
+                if s in keep:
+                    self.mirror.defer(s)
 
     def _existing_step(self, step: Optional[int]) -> int:
         """step, or the latest one when None; refused when the directory does not hold it."""

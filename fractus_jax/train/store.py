@@ -7,7 +7,7 @@ The trainer works in a local stage (`--stage`, by default under the cache direct
 as in a local run directory, and the store is its truth:
 
     URL/lease.json                      the writer's lease (conditional puts; see `Lease`)
-    URL/checkpoints/<step>/...          a step's files, as the stage holds them once committed
+    URL/checkpoints/<step>/...          a step's files, as the stage committed them
     URL/checkpoints/<step>/committed.json   written after the step's files and the logs:
                                         the step's commit in the store (its files and sizes)
     URL/metrics.jsonl, URL/tensorboard/*    the stage's logs, uploaded whole before each commit
@@ -19,12 +19,14 @@ the stage: steps newest first until one verifies (its checksums, its finite flag
 ones left in the store (`Mirror.deferred`: retention counts them, and a resume that rejects
 every stage step fetches them); a step the store does not hold as committed (an upload that
 was cut) is deleted from the store, and a stage step the store lacks is moved aside to
-STAGE/unpushed/. After each
-local commit (checksums and manifest written) the step is uploaded in a background thread:
-its files, the logs, then committed.json, then the manifest; retention and rejections are
-then mirrored. A store is never asked to append, rename or lock: every object is written
-whole by one PUT. The next save, and the end of the run, wait for the upload; an upload that
-failed stops the run with the step the store holds. The deadline's margin counts the upload
+STAGE/unpushed/. After each local commit (checksums and manifest written) the step is
+uploaded in a background thread: its files, the logs, then committed.json, then the
+manifest; retention and rejections are then mirrored. Once a step's upload has settled,
+the next save drops it from the stage: a stage holds the step just saved and the newest
+good one, the run's older steps being the store's alone (`Mirror.deferred` again). A store
+is never asked to append, rename or lock: every object is written whole by one PUT. The
+next save, and the end of the run, wait for the upload; an upload that failed stops the run
+with the step the store holds. The deadline's margin counts the upload
 (`Mirror.push_seconds`).
 
 Several processes (hosts that share no disk) each stage the run in STAGE/process-<k> and
@@ -643,8 +645,10 @@ class Mirror:
         self._pushes = collections.deque(maxlen=RECENT_PUSHES)
         self._guess = 0.0
         self._sizes: dict[str, int] = {}          # log files as last uploaded
-        # committed steps older than the one the resume needs, left in the store by the pull:
-        # part of the run (retention lets them go: `let_go`), fetched if the resume needs them
+        # committed steps of the run the stage does not hold (older than the one the resume
+        # needs, left in the store by the pull; older than the step just saved, dropped from
+        # the stage once uploaded: `defer`): retention lets them go (`let_go`); a resume that
+        # needs them fetches them
         self.deferred: set[int] = set()
         self._closed = False
 
@@ -766,6 +770,11 @@ class Mirror:
                     fetch_step(self.store, step, records[step]["files"], self.stage / CHECKPOINTS, self.log)
         self.deferred.clear()
         return True
+
+    def defer(self, step: int) -> None:
+        """A step of the run the stage no longer holds (retention keeps in the stage the step
+        just saved and the newest good one): the store's copy stays the run's."""
+        self.deferred.add(step)
 
     def let_go(self, step: int) -> None:
         """Retention let a step the pull left in the store go: retired from the store with the
