@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import jax
@@ -318,6 +319,49 @@ def test_retention_keeps_the_newest_good_step(runs, tmp_path):
     finally:
         ck.close()
     assert sum("holds NaN or Inf" in line for line in logs) == 2
+
+
+def test_a_disk_without_room_for_the_saves_is_warned_of_at_the_start(runs, tmp_path, monkeypatch):
+    """The saves to come fill the step being written and the steps kept beside it (the newest
+    keep_checkpoints, less those held; a stage, the step saved last): a disk with less room
+    is named at the start, by the trainer too, with the bytes free and needed."""
+    cfg6, _, split = runs
+    state, meta = restore(split, cfg6, 4)
+    step_bytes = ckpt_lib.save_bytes(state)[1]
+    free = {"bytes": 0}
+    usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=free["bytes"]))
+
+    def warned(workdir, mirror=None, saved=0):
+        logs = []
+        ck = ckpt_lib.RunCheckpointer(workdir, keep=2, log=logs.append, mirror=mirror)
+        try:
+            for step in range(1, saved + 1):
+                ck.save(state, dict(meta, step=step))
+            ck.expect(state)
+        finally:
+            ck.close()
+        return [line for line in logs if line.startswith("warning: ")]
+
+    free["bytes"] = 3 * step_bytes - 1   # keep_checkpoints=2, and the one being written
+    assert warned(tmp_path / "a") == [
+        f"warning: {tmp_path / 'a'}'s disk has {free['bytes'] / 1e9:.1f} GB free, and this run's saves may fill "
+        f"{3 * step_bytes / 1e9:.1f} GB more there (3 more steps of about {step_bytes / 1e9:.1f} GB: "
+        "keep_checkpoints=2, and a save writes the next beside it); a save that finds the disk full stops the "
+        "run, its last good step kept"]
+    free["bytes"] = 3 * step_bytes
+    assert warned(tmp_path / "b") == []
+    free["bytes"] = 2 * step_bytes - 1   # a step held already: two more
+    assert "(2 more steps of about" in warned(tmp_path / "c", saved=1)[0]
+    staged = types.SimpleNamespace(parts=False, expect=lambda whole: None, deferred=set())
+    assert "(2 more steps of about" in warned(tmp_path / "d", staged)[0]
+    assert "the stage keeps the step saved last" in warned(tmp_path / "d", staged)[0]
+    free["bytes"] = 2 * step_bytes
+    assert warned(tmp_path / "e", staged) == []
+    # the trainer's start
+    free["bytes"] = 0
+    _, logs = train(tiny(cfg6.corpus, "max_steps=1"), tmp_path / "run")
+    assert any(line.startswith(f"warning: {tmp_path / 'run'}'s disk has 0.0 GB free") for line in logs), logs
 
 
 # ----------------------------------------------------------------------------- the metrics log
