@@ -247,7 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CheckpointError as e:
         _fail(str(e))
     if not os.path.isdir(args.ckpt):
-        _fail(f"checkpoint directory not found: {args.ckpt}")
+        _fail(f"checkpoint directory not found: {args.ckpt}{ckpt_lib.missing_step_words(args.ckpt)}")
     if any(p == "" for p in args.prompt):
         _fail("empty prompt (--prompt needs some text)")
     # The decode arguments are checked once, by generate (check_decode_args): top_k's bound

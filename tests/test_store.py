@@ -925,6 +925,15 @@ def test_the_commands_train_on_a_url_resume_it_and_read_it(served, corpus_file, 
     assert store.store_steps(store.Store(url))[6]["files"] == {
         str(p.relative_to(cached / "6")): p.stat().st_size for p in (cached / "6").rglob("*") if p.is_file()}
     capsys.readouterr()
+    # a reader given the stage and a step it no longer holds is sent to the store
+    sent = f"{stage} is the stage of {url}, which holds the run's older steps: --ckpt {url} --step 4"
+    assert eval_cli(["--ckpt", str(stage), "--step", "4", "--corpus", str(corpus_file), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {stage} has no checkpoint at step 4 (steps: [6]); {sent}"
+    with pytest.raises(SystemExit) as e:
+        generate_cli(["--ckpt", str(stage / "checkpoints" / "4"), *gen])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().endswith(f"/checkpoints/4; {sent}")
+    assert convert_cli(["export", "--ckpt", str(stage / "checkpoints" / "4"), "--out", str(tmp_path / "x.pt")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"no such run directory or checkpoint; {sent}")
     assert eval_cli(["--ckpt", f"{url}/checkpoints/5", "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: {url} has no committed checkpoint at step 5 "
                                                 "(steps: [2, 4, 6])")

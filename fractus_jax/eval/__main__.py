@@ -96,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CheckpointError as e:
         return fail(str(e))
     if not os.path.exists(args.ckpt):
-        return fail(f"checkpoint directory not found: {args.ckpt}")
+        return fail(f"checkpoint directory not found: {args.ckpt}{ckpt_lib.missing_step_words(args.ckpt)}")
     for name in ("ids", "lanes", "chunk"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -482,7 +482,8 @@ class RunCheckpointer:
             raise CheckpointError(f"{self.workdir} holds no checkpoint")
         if step not in self.manager.all_steps():
             raise CheckpointError(f"{self.workdir} has no checkpoint at step {step} "
-                                  f"(steps: {sorted(self.manager.all_steps())})")
+                                  f"(steps: {sorted(self.manager.all_steps())})"
+                                  + rundir.missing_step_words(self.workdir, step))
         return step
 
     def read_meta(self, step: Optional[int] = None) -> tuple[int, dict]:
@@ -615,11 +616,20 @@ def newest_good_step(workdir, below: Optional[int] = None, items=None, checked=f
     return None, None, rejected, None
 
 
+def missing_step_words(path) -> str:
+    """What to add where DIR/checkpoints/<step> is not there: where the step is, when DIR is
+    a stage of a run on object storage; "" otherwise."""
+    path = Path(path)
+    if path.parent.name == CHECKPOINTS and path.name.isdigit():
+        return rundir.missing_step_words(path.parent.parent, int(path.name))
+    return ""
+
+
 def resolve_checkpoint(ckpt) -> tuple[Path, Optional[int]]:
     """A run directory (its newest good step) or DIR/checkpoints/<step> → (run dir, step or None)."""
     path = Path(ckpt)
     if not path.exists():
-        raise CheckpointError(f"{path}: no such run directory or checkpoint")
+        raise CheckpointError(f"{path}: no such run directory or checkpoint{missing_step_words(path)}")
     if (path / MANIFEST).is_file() or (path / CHECKPOINTS).is_dir():
         return path, None
     run_dir = path.parent.parent

@@ -30,6 +30,7 @@ METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 REJECTED = "rejected"
 ORBAX_TMP = ".orbax-checkpoint-tmp"   # Orbax's name for a step (or item) not yet committed
+STAGED = "staged.json"                # a stage's record of the run on object storage it stages
 FORMAT_VERSION = 1
 
 Log = Callable[[str], None]
@@ -233,6 +234,23 @@ def set_aside_steps(workdir, steps: Iterable[int], log: Log) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- manifest
+
+def staged_url(run_dir) -> Optional[str]:
+    """The URL of the run on object storage a directory stages (its STAGED record), or None."""
+    try:
+        return json.loads((Path(run_dir) / STAGED).read_text())["url"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def missing_step_words(run_dir, step: int) -> str:
+    """What to add where a directory lacks a step: a stage holds only its newest steps, the
+    run's others being in the store."""
+    url = staged_url(run_dir)
+    if url is None:
+        return ""
+    return f"; {run_dir} is the stage of {url}, which holds the run's older steps: --ckpt {url} --step {step}"
+
 
 def read_manifest(workdir) -> Optional[dict]:
     path = Path(workdir) / MANIFEST

@@ -741,6 +741,7 @@ class Mirror:
                 resumable = step
                 self.checked.add(step)
         if self.deferred:
+            self._name_the_run()
             left = ", ".join(map(str, sorted(self.deferred)))
             self.log(f"note: step{'s' * (len(self.deferred) > 1)} {left} left in {self.url} (not pulled): the resume "
                      f"needs step {resumable} alone")
@@ -775,6 +776,12 @@ class Mirror:
         """A step of the run the stage no longer holds (retention keeps in the stage the step
         just saved and the newest good one): the store's copy stays the run's."""
         self.deferred.add(step)
+        self._name_the_run()
+
+    def _name_the_run(self) -> None:
+        """The stage lacks steps the store holds: it names its run, so that a reader given the
+        stage and one of those steps is sent there."""
+        rundir.write_json_atomic(self.stage / rundir.STAGED, {"url": self.url})
 
     def let_go(self, step: int) -> None:
         """Retention let a step the pull left in the store go: retired from the store with the
