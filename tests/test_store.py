@@ -871,6 +871,8 @@ def test_the_commands_train_on_a_url_resume_it_and_read_it(served, corpus_file, 
     assert train_cli([*common, "--stage", str(tmp_path / "a"), "--set", "max_steps=4"]) == 0
     err = capsys.readouterr().err
     assert f"run directory: {url} (trained in {tmp_path / 'a'})" in err
+    assert f"  last checkpoint: step 4 ({url}/checkpoints/4)\n" in err   # the store's, not the stage's copy
+    assert f"  metrics: {url}/metrics.jsonl (the stage's copy: {tmp_path / 'a' / 'metrics.jsonl'})\n" in err
     assert train_cli([*common, "--stage", str(tmp_path / "b"), "--set", "max_steps=6"]) == 0
     err = capsys.readouterr().err
     assert "pulling step 4 " in err and f"resumed {tmp_path / 'b'} at step 4" in err, err

@@ -192,14 +192,19 @@ def _script(name: str) -> str:
 def outputs_summary(args, argv, cfg, manifest) -> str:
     """Where a finished (or stopped) run's outputs are, and the commands that use them."""
     workdir = local_dir(args)
+    url = str(args.workdir).rstrip("/") if store.scheme_of(args.workdir) else None
     q = shlex.quote
-    lines = [f"run directory: {args.workdir}" + (f" (trained in {workdir})" if workdir != Path(args.workdir) else "")]
+    lines = [f"run directory: {args.workdir}" + (f" (trained in {workdir})" if url else "")]
     if manifest is None:
         lines.append("  no checkpoint yet")
     else:
         step = int(manifest["step"])
-        lines.append(f"  last checkpoint: step {step} ({workdir / manifest.get('checkpoint', f'checkpoints/{step}')})")
-    lines.append(f"  metrics: {workdir / METRICS}")
+        where = manifest.get("checkpoint", f"checkpoints/{step}")
+        # a run on object storage: the store holds what was committed, the stage a copy
+        lines.append(f"  last checkpoint: step {step} ({url}/{where})" if url else
+                     f"  last checkpoint: step {step} ({workdir / where})")
+    lines.append(f"  metrics: {url}/{METRICS} (the stage's copy: {workdir / METRICS})" if url else
+                 f"  metrics: {workdir / METRICS}")
     done = manifest is not None and int(manifest["step"]) >= cfg.max_steps
     lines.append("next:")
     if done:   # the same command resumes; at max_steps it has nothing left to do
