@@ -6,6 +6,7 @@ pod), ends bit for bit equal to a run never interrupted; a store cut in the midd
 upload loses nothing committed, the run says what failed, and the same command resumes; the
 lease admits one writer; a missing bucket, a URL that cannot be served and a store without
 conditional writes are refused before any step."""
+import argparse
 import collections
 import json
 import os
@@ -25,6 +26,7 @@ from fractus_jax.convert.__main__ import main as convert_cli
 from fractus_jax.eval.__main__ import main as eval_cli
 from fractus_jax.generate import main as generate_cli
 from fractus_jax.grow.__main__ import main as grow_cli
+from fractus_jax import urls
 from fractus_jax.train import checkpoint as ckpt_lib
 from fractus_jax.train import loop, rundir, store
 from fractus_jax.train import transfer as transfer_lib
@@ -97,12 +99,24 @@ def stage_steps(stage):
     ("gs://bucket-only", "give a bucket and a path inside it"),
     ("ftp://b/run", "not ftp://"),
     ("s3://bucket-only", "give a bucket and a path inside it"),
+    ("s3:/runs/tiny", "'s3:/runs/tiny' reads as the URL s3://runs/tiny with a slash lost: write s3://runs/tiny "
+                      "(for a local directory of that name, give its absolute path)"),
+    ("gs:/b/run", "reads as the URL gs://b/run with a slash lost"),
 ])
-def test_a_url_the_trainer_cannot_serve_is_refused(url, words, capsys):
+def test_a_url_the_trainer_cannot_serve_is_refused(url, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         parse_args(["--config", "tiny", "--workdir", url])
     assert e.value.code == 2
     assert words in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())   # nothing written where the slashes collapse
+
+
+def test_a_url_names_its_scheme_in_any_case_and_a_path_its_directory():
+    assert store.check_url("S3://b/run") == "s3://b/run" and store.check_url("Gs://b/run") == "gs://b/run"
+    assert store.check_url("/abs/s3:/runs/x") == "/abs/s3:/runs/x"   # a local directory of that name
+    with pytest.raises(argparse.ArgumentTypeError, match="reads as the URL s3://runs/x with a slash lost"):
+        urls.local_path("s3:/runs/x")
 
 
 @pytest.mark.parametrize("scheme, module", [("s3", "s3fs"), ("gs", "gcsfs")])

@@ -79,7 +79,7 @@ from fractus_jax.train import transfer as transfer_lib
 from fractus_jax.train.rundir import (CHECKPOINTS, MANIFEST, METRICS, ORBAX_TMP, REJECTED, CheckpointError, RunDirBusy,
                                      RunLock)
 from fractus_jax.train.tboard import DIRNAME as TENSORBOARD
-from fractus_jax.urls import URL
+from fractus_jax.urls import URL, check_lost_slash
 
 LEASE = "lease.json"
 COMMITTED = "committed.json"
@@ -123,11 +123,14 @@ def scheme_of(value: str) -> Optional[str]:
 
 
 def check_url(value: str) -> str:
-    """value if it is a local path or a URL this install can serve; else why not (ValueError):
-    a scheme not served, or its library missing (the extra named)."""
+    """value if it is a local path or a URL this install can serve (its scheme in lower case);
+    else why not (ValueError): a scheme not served, its library missing (the extra named), or
+    a URL with a slash lost."""
     scheme = scheme_of(value)
     if scheme is None:
+        check_lost_slash(value)
         return value
+    value = scheme + value[len(scheme):]   # S3://... is s3://... (a scheme's case does not matter)
     if scheme not in SCHEMES:
         raise ValueError(f"{value!r}: a run directory is a local path or an s3:// or gs:// URL, not {scheme}://")
     module, extra = SCHEMES[scheme]
