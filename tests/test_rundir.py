@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from fractus_jax.train import rundir
+from fractus_jax.train.__main__ import main as train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -272,3 +273,23 @@ def test_an_object_storage_url_is_refused_not_taken_as_a_local_path(command, arg
     err = capsys.readouterr().err
     assert e.value.code == 2 and ("URL" in err or "not served" in err) and "://" in err and "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/4", "checkpoints/4/params"])
+def test_a_run_inside_another_runs_checkpoints_is_refused_before_anything_is_written(inside, tmp_path, monkeypatch,
+                                                                                      capsys):
+    monkeypatch.chdir(tmp_path)
+    run = rundir.RunDir(tmp_path / "a").open()   # a run that has started: its lock
+    run.close(quiet=True)
+    (tmp_path / "a" / "checkpoints" / "4").mkdir(parents=True)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert train_cli(["--config", "tiny", "--workdir", f"a/{inside}", "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: a/{inside} lies in the checkpoints directory of the run {tmp_path / 'a'}: a run directory there "
+        f"would write among that run's steps; give a path outside {tmp_path / 'a' / 'checkpoints'}"]
+    with pytest.raises(rundir.CheckpointError, match="lies in the checkpoints directory"):   # grow's, import's --out
+        rundir.RunDir(tmp_path / "a" / inside).open()
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    # control: a directory named checkpoints elsewhere, or beside the run's, is a run of its own
+    for other in ("b/checkpoints", "a/checkpoints-b"):
+        rundir.RunDir(tmp_path / other).open().close(quiet=True)

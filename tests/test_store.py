@@ -140,6 +140,22 @@ def test_a_missing_bucket_is_refused_before_any_step(served, tmp_path, capsys):
     assert not (tmp_path / "stage").exists()
 
 
+@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/4", "checkpoints/4/params"])
+def test_a_run_inside_another_runs_checkpoints_is_refused_before_any_step(served, inside, tmp_path, capsys):
+    server, url = served
+    store.Store(url).write(b"{}", store.LEASE)   # a run that has started: its lease
+    code = train_cli(["--config", "tiny", "--workdir", f"{url}/{inside}", "--stage", str(tmp_path / "stage"),
+                      "--no-progress"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {url}/{inside} lies in the checkpoints directory of the run {url}: a run there would write among "
+        f"that run's steps; give a URL outside {url}/checkpoints"]
+    assert not (tmp_path / "stage").exists()
+    # control: a name beside it is a run of its own, and a run whose lease the store lacks is none
+    store.Store(f"{url}/checkpoints-b").check_not_in_run()
+    store.Store(f"{url}2/checkpoints/4").check_not_in_run()
+
+
 def test_no_credentials_are_refused_before_any_step(s3, monkeypatch, tmp_path, capsys):
     set_env(monkeypatch, s3.env())
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):

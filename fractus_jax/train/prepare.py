@@ -218,6 +218,7 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset
         raise TrainError(problem)
     if workdir.exists() and not workdir.is_dir():
         raise TrainError(f"workdir {workdir} exists and is not a directory")
+    rundir.check_not_in_run(workdir)
     manifest, rejected, note = resume_point(workdir, checked)
     notes = []
     if manifest is not None:

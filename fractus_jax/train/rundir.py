@@ -31,6 +31,7 @@ CHECKPOINTS = "checkpoints"
 REJECTED = "rejected"
 ORBAX_TMP = ".orbax-checkpoint-tmp"   # Orbax's name for a step (or item) not yet committed
 STAGED = "staged.json"                # a stage's record of the run on object storage it stages
+RUN_MARKS = (LOCK, MANIFEST, STAGED)     # a directory holding one of these is a run directory
 FORMAT_VERSION = 1
 
 Log = Callable[[str], None]
@@ -231,6 +232,24 @@ def set_aside_steps(workdir, steps: Iterable[int], log: Log) -> list[Path]:
         log(f"note: moved the rejected checkpoint{'s' if len(moved) > 1 else ''} to "
             f"{', '.join(str(p) for p in moved)} (delete {'them' if len(moved) > 1 else 'it'} when done)")
     return moved
+
+
+def run_holding(workdir) -> Optional[Path]:
+    """The run directory whose checkpoints directory is, or holds, workdir (a run started in
+    RUN/checkpoints or in one of its steps would write into that run's steps); else None."""
+    path = Path(workdir).resolve()
+    for d in (path, *path.parents):
+        if d.name == CHECKPOINTS and any((d.parent / n).exists() for n in RUN_MARKS):
+            return d.parent
+    return None
+
+
+def check_not_in_run(workdir) -> None:
+    """CheckpointError where workdir is, or lies inside, another run's checkpoints directory."""
+    run = run_holding(workdir)
+    if run is not None:
+        raise CheckpointError(f"{workdir} lies in the checkpoints directory of the run {run}: a run directory "
+                              f"there would write among that run's steps; give a path outside {run / CHECKPOINTS}")
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -458,6 +477,7 @@ class RunDir:
     def open(self) -> "RunDir":
         if self.workdir.exists() and not self.workdir.is_dir():
             raise CheckpointError(f"{self.workdir} exists and is not a directory")
+        check_not_in_run(self.workdir)
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -282,6 +282,27 @@ class Store:
             raise CheckpointError(f"{self.url}: cannot reach the store{self._endpoint_words()} "
                                   f"({failure_words(e)})") from None
 
+    def check_not_in_run(self) -> None:
+        """CheckpointError where the URL is, or lies inside, another run's checkpoints (as
+        `rundir.check_not_in_run` for a local directory)."""
+        keys = self.root.split("/")
+        for i in range(len(keys), 1, -1):
+            if keys[i - 1] == CHECKPOINTS:
+                run = "/".join(keys[:i - 1])
+                if any(self._seen(f"{run}/{n}") for n in (LEASE, MANIFEST)):
+                    raise CheckpointError(
+                        f"{self.url} lies in the checkpoints directory of the run {self.scheme}://{run}: a run "
+                        f"there would write among that run's steps; give a URL outside "
+                        f"{self.scheme}://{run}/{CHECKPOINTS}")
+
+    def _seen(self, path: str) -> bool:
+        """The object exists, as far as the credentials may see (a key allowed only its own
+        prefix is refused a look outside it)."""
+        try:
+            return self.fs.exists(path)
+        except PermissionError:
+            return False
+
     def _endpoint_words(self) -> str:
         endpoint = next((os.environ[v] for v in ENDPOINTS[self.scheme] if os.environ.get(v)), None)
         return f" at {endpoint}" if endpoint else ""
@@ -659,6 +680,8 @@ class Mirror:
 
     def open(self) -> "Mirror":
         self.store.check_access()
+        self.store.check_not_in_run()
+        rundir.check_not_in_run(self.stage)
         try:
             self.stage.mkdir(parents=True, exist_ok=True)
         except OSError as e:
