@@ -127,7 +127,11 @@ class Relay:
                 client, _ = listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(("127.0.0.1", self.target))
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:   # the server closed: the client sees its connection dropped
+                client.close()
+                continue
             with self._lock:
                 self._conns += [client, server]
             threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
@@ -145,7 +149,7 @@ class Relay:
                     sent += len(data) if s is a else 0
                     if not self._stalled.is_set():
                         (b if s is a else a).sendall(data)
-        except OSError:
+        except (OSError, ValueError):   # ValueError: a socket `cut` closed meanwhile (its fd -1)
             return
         finally:
             for s in (a, b):
