@@ -164,6 +164,27 @@ def test_a_kill_at_each_phase_of_a_save_resumes_bit_exact(phase, resumed_at, run
         assert any(line.startswith(f"note: repaired {d / 'manifest.json'}") for line in logs), logs
 
 
+def test_a_step_pulled_in_part_is_checked_in_the_files_it_holds(runs, tmp_path):
+    """A process of a multi-process run pulls a step but the chunk files it does not read:
+    the files it lacks are not failures, the files it holds are checked as ever."""
+    d = copy_split(runs, tmp_path)
+    step4 = d / "checkpoints" / "4"
+    held = sorted(str(p.relative_to(step4)) for p in (step4 / "params").rglob("*") if p.is_file())
+    gone, changed = held[-1], held[-2]
+    (step4 / gone).unlink()
+    assert ckpt_lib.check_files(step4)[0] == "bad"
+    assert ckpt_lib.check_files(step4, absent={gone}) == ("ok", None)
+    step, _, rejected, _ = ckpt_lib.newest_good_step(d, absent={4: {gone}})
+    assert (step, rejected) == (4, [])
+    step, _, rejected, _ = ckpt_lib.newest_good_step(d, absent={2: {gone}})   # another step's files
+    assert step == 2 and [s for s, _ in rejected] == [4]
+    data = (step4 / changed).read_bytes()
+    (step4 / changed).write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    assert ckpt_lib.check_files(step4, absent={gone, changed}) == (
+        "bad", f"params failed its checksum ({changed[len('params/'):]} differs)")
+    assert ckpt_lib.check_some(step4, {changed}) == f"params failed its checksum ({changed[len('params/'):]} differs)"
+
+
 def test_a_real_kill_9_between_commit_and_manifest(runs, corpus_file, tmp_path):
     """The process dies by SIGKILL right after Orbax committed step 4 (before its checksums
     and manifest); the same command then resumes at step 4, bit-exact."""

@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -553,6 +554,59 @@ def test_a_transfer_waited_for_says_how_far_it_is(served, tmp_path, monkeypatch)
                      .groups()) for line in logs if line.startswith("pulling step 2: ")]
     assert len(figures) >= 2 and all(total == 5.0 for _, total in figures), logs
     assert [done for done, _ in figures] == sorted(done for done, _ in figures) and figures[-1][0] == 5.0, logs
+
+
+# ----------------------------------------------------------------------------- a step pulled in part
+
+def test_a_steps_chunk_files_are_told_from_its_other_files():
+    files = ["params/w/.zarray", "params/w/0.0", "params/w/1.0", "params/_sharding", "params/_METADATA",
+             "params/array_metadatas/process_0", "params/a.b/.zarray", "params/a.b/0", "params/n/.zarray",
+             "params/n/0/3", "meta/metadata", "checksums.json", "_CHECKPOINT_METADATA", "extra/s/.zarray",
+             "extra/s/0", "opt_state/ocdbt.process_0/d/1a2b", "params/commit_success.txt"]
+    assert store.chunk_files(files) == {"params/w/0.0": "params/w", "params/w/1.0": "params/w",
+                                        "params/a.b/0": "params/a.b", "params/n/0/3": "params/n",
+                                        "extra/s/0": "extra/s"}
+
+
+def needed_by_elements(shape, grid, indices):
+    """The chunks holding an element some index covers, found element by element."""
+    covered = np.zeros(shape, bool)
+    for index in indices:
+        covered[index] = True
+    needed = set()
+    for key in np.ndindex(*[-(-n // c) for n, c in zip(shape, grid)]):
+        region = tuple(slice(k * c, (k + 1) * c) for k, c in zip(key, grid))
+        if covered[region].any():
+            needed.add(".".join(map(str, key)))
+    return needed
+
+
+def test_the_chunks_a_process_reads_are_those_its_shards_touch():
+    """A process fetches, of a step pulled in part, the chunk files its devices' shards read
+    (a chunk file left out reads as zeros): the chunks that hold an element of a shard,
+    whatever the saved chunks' grid and the target sharding."""
+    devices = np.array(jax.devices()[:8])
+    P = jax.sharding.PartitionSpec
+    cases = [((2, 32), (2, 4), (2, 4), P(None, "fsdp")), ((4, 32), (2, 8), (4, 2), P("data", "fsdp")),
+             ((6, 10), (4, 3), (2, 4), P("data", None)), ((3, 5, 8), (1, 5, 3), (2, 4), P(None, None, "fsdp")),
+             ((8,), (8,), (2, 4), P()), ((8, 6), (5, 6), (8, 1), P("data"))]
+    for shape, grid, mesh_shape, spec in cases:
+        mesh = jax.sharding.Mesh(devices.reshape(mesh_shape), ("data", "fsdp"))
+        by_device = jax.sharding.NamedSharding(mesh, spec).devices_indices_map(shape)
+        zarray = {"shape": list(shape), "chunks": list(grid), "dimension_separator": "."}
+        for process in (devices.reshape(2, 4)[0], devices.reshape(2, 4)[1], devices[:1]):   # a host's devices
+            indices = [by_device[d] for d in process]
+            assert store.chunk_names(zarray, indices) == needed_by_elements(shape, grid, indices), (shape, spec)
+        every = needed_by_elements(shape, grid, list(by_device.values()))
+        assert store.chunk_names(zarray, by_device.values()) == every
+    first = jax.sharding.NamedSharding(jax.sharding.Mesh(devices.reshape(2, 4), ("data", "fsdp")),
+                                       P(None, ("data", "fsdp")))
+    mine = store.chunk_names({"shape": [2, 32], "chunks": [2, 4]},
+                             [first.devices_indices_map((2, 32))[d] for d in devices[4:]])
+    assert mine == {"0.4", "0.5", "0.6", "0.7"}   # the half of the columns on the second host's devices
+    assert store.chunk_names({"shape": [], "chunks": []}, [()]) == {"0"}
+    assert store.chunk_names({"shape": [4, 4], "chunks": [2, 2], "dimension_separator": "/"},
+                             [(slice(0, 2), slice(2, 4))]) == {"0/1"}
 
 
 # ----------------------------------------------------------------------------- the margin

@@ -4,6 +4,7 @@ new pod: each process uploads its own shards, process 0 commits, and the run end
 bit where the same run on a shared disk ends. One process then resumes it, and two resume
 that process's step."""
 import json
+import re
 import subprocess
 import sys
 
@@ -59,6 +60,17 @@ def test_two_processes_without_a_shared_disk_train_save_and_resume(served, corpu
     for i, err in enumerate(errs):
         assert f"process-{i} at step 4, lane offset" in err, err[-3000:]
     assert "files are here already" in errs[0], errs[0][-3000:]
+    # Neither pulls step 4 whole: each fetched its files but the chunk files it lacks, then at
+    # the restore those its devices' shards read (Orbax writes a replicated array's chunks
+    # from every process holding it, so each reads some of the other's).
+    for i, err in enumerate(errs):
+        assert "step 4's shards (" in err and "are fetched at the restore, each process those it reads" in err, err
+    read = [re.search(r"step 4: this process's shards read (\d+) of the (\d+) chunk files not here", err)
+            for err in errs]
+    assert all(read), errs
+    for m, err in zip(read, errs):   # the rows of the carry on the other's devices among those left
+        needed, left = map(int, m.groups())
+        assert 0 < needed < left and len(re.findall(r"pulling step 4 \(", err)) == 2, err[-3000:]
 
     # The same run on one shared disk, never interrupted.
     shared = tmp_path / "shared"
@@ -85,3 +97,32 @@ def test_two_processes_without_a_shared_disk_train_save_and_resume(served, corpu
         assert f"process-{i} at step 8, lane offset" in err, err[-3000:]
     keys = server.keys(bucket, "run/")
     assert max(int(k.split("/")[2]) for k in keys if k.endswith("/" + store.COMMITTED)) == 10, keys
+
+
+def test_a_shard_only_one_process_reads_fails_the_step_on_both(corpus_file, tmp_path, monkeypatch):
+    """A chunk file of step 4 that only process 1 reads (a row of the carry on its devices)
+    differs in the store from its checksum: both processes reject step 4, not process 1
+    alone (which would leave them training from different steps), and resume from step 2."""
+    server = S3Server()
+    try:
+        url = f"s3://{server.bucket('hosts')}/run"
+        env = child_env(server.env())
+        launch(url, corpus_file, ["max_steps=4", "save_every=2"], each=stages(tmp_path, "a"), env=env)
+        set_env(monkeypatch, server.env())
+        run = store.Store(url)
+        files = store.store_steps(run)[4]["files"]
+        theirs = sorted(n for n in files if n.startswith("extra/carry.S/") and store.CHUNK.match(n.rsplit("/", 1)[1])
+                        and n.split("/")[2].split(".")[1] == "7")   # the carry's last row: process 1's devices
+        assert len(theirs) == 1, sorted(files)
+        data = run.read("checkpoints/4/" + theirs[0])
+        run.write(bytes(b ^ 0xFF for b in data), "checkpoints/4/" + theirs[0])   # its size, not its bytes
+
+        errs = launch(url, corpus_file, ["max_steps=6", "save_every=2"], each=stages(tmp_path, "b"), env=env)
+        for i, err in enumerate(errs):
+            assert f"process-{i} at step 2, lane offset" in err, err[-3000:]
+            assert "warning: step 4: could not be restored; falling back to step 2" in err, err[-3000:]
+            assert f"({'' if i == 1 else 'process 1: '}extra failed its checksum ({theirs[0][6:]} differs))" in err, err
+        keys = server.keys("hosts", "run/")
+        assert any(k.startswith("run/rejected/4/") for k in keys) and "run/checkpoints/6/committed.json" in keys
+    finally:
+        server.close()

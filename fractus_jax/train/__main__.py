@@ -132,7 +132,8 @@ def train(args, argv) -> int:
             args.stage = str(mirror.stage)
         plan = prepare_lib.prepare(cfg, local_dir(args), progress=not args.no_progress,
                                    explicit=config.override_fields(args.overrides),
-                                   checked=mirror.checked if mirror is not None else frozenset())
+                                   checked=mirror.checked if mirror is not None else frozenset(),
+                                   absent=mirror.left_out if mirror is not None else None)
         # The run is about to train: the allocator's note now (not on a refused run).
         note = hostmem.cpu_training_note(jax.default_backend())
         if note and lead:

@@ -145,6 +145,16 @@ def gather_step_files(step_dir: Path, key: str) -> dict[str, tuple[int, str, int
     return union
 
 
+def check_some(step_dir: Path, names) -> Optional[str]:
+    """Why some of a step's files ("item/path") do not match its checksums.json, or None."""
+    items = (read_checksums(step_dir) or {}).get("items") or {}
+    for name in sorted(names):
+        item, _, path = name.partition("/")
+        if _file_sha256(step_dir / name) != items.get(item, {}).get(path):
+            return f"{item} failed its checksum ({path} differs)"
+    return None
+
+
 def read_checksums(step_dir: Path) -> Optional[dict]:
     try:
         record = json.loads((step_dir / CHECKSUMS).read_text())
@@ -153,9 +163,11 @@ def read_checksums(step_dir: Path) -> Optional[dict]:
     return record if isinstance(record, dict) and isinstance(record.get("items"), dict) else None
 
 
-def check_files(step_dir: Path, items=None) -> tuple[str, Optional[str]]:
+def check_files(step_dir: Path, items=None, absent=frozenset()) -> tuple[str, Optional[str]]:
     """("ok" | "unchecked" | "bad", why): a step's files against its checksums.json; of the
-    items named only (a reader that fetched those alone), or of every item.
+    items named only (a reader that fetched those alone), or of every item. absent: files
+    ("item/path") the directory may lack (a process's pull of a step in part: the shards
+    other processes read), checked where it holds them.
     "unchecked": no (readable) record, as for a save cut before it wrote one or an older run."""
     record = read_checksums(step_dir)
     if record is None:
@@ -168,6 +180,8 @@ def check_files(step_dir: Path, items=None) -> tuple[str, Optional[str]]:
             return "bad", f"{item} is missing"
         have = {str(p.relative_to(item_dir)) for p in item_dir.rglob("*") if p.is_file()}
         for name, digest in files.items():
+            if f"{item}/{name}" in absent and name not in have:
+                continue
             try:
                 ok = _file_sha256(item_dir / name) == digest
             except OSError as e:
@@ -180,10 +194,11 @@ def check_files(step_dir: Path, items=None) -> tuple[str, Optional[str]]:
     return "ok", None
 
 
-def saved_unusable(step_dir: Path) -> Optional[str]:
+def saved_unusable(step_dir: Path, absent=frozenset()) -> Optional[str]:
     """Why a committed step cannot be resumed, judged from its files alone (no array read):
-    its checksums fail, or it was saved holding NaN or Inf; None when it may be."""
-    status, why = check_files(step_dir)
+    its checksums fail, or it was saved holding NaN or Inf; None when it may be. absent: as
+    for `check_files`."""
+    status, why = check_files(step_dir, absent=absent)
     if status == "bad":
         return why
     finite = (read_checksums(step_dir) or {}).get("finite") or {}
@@ -498,6 +513,10 @@ class RunCheckpointer:
         extra_abstract = {k: abstract_state[k] for k in ("carry", "step", "skipped")}
         wanted = {"params": abstract_state["params"], "opt_state": abstract_state["opt_state"],
                   "extra": extra_abstract}
+        if self.mirror is not None:   # a step pulled in part: the files this process's shards read
+            self.mirror.fill(step, {f"{k}/{name}": leaf for k in items for name, leaf in zip(
+                jax.tree.leaves(ocp.tree.get_param_names(wanted[k], include_empty_nodes=False)),
+                jax.tree.leaves(wanted[k]))})
         args = {k: ocp.args.StandardRestore(wanted[k]) for k in items}
         args["meta"] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**args))
@@ -516,6 +535,8 @@ class RunCheckpointer:
             why = None
             try:
                 state, meta = self.restore(abstract_state, step)
+            except rundir.RunDirIOError:   # the store or the disk failed, not the step: nothing rejected
+                raise
             except Exception as e:   # noqa: BLE001 - a damaged file fails in many ways
                 why = f"could not be restored ({rundir.reason(e)})"
             else:
@@ -575,13 +596,14 @@ def no_good_step_message(workdir, rejected, stop: Optional[str] = None) -> str:
             f"changed; move {Path(workdir) / CHECKPOINTS} away to start afresh")
 
 
-def newest_good_step(workdir, below: Optional[int] = None, items=None, checked=frozenset()):
+def newest_good_step(workdir, below: Optional[int] = None, items=None, checked=frozenset(), absent=None):
     """(step, meta, rejected, note) of the newest committed step (below `below`) whose files
     (of `items`, or all) match their checksums and whose meta reads, without reading any array.
     rejected: the (step, why) of newer steps that do not; note: set when the step has no
     checksums to check. (None, None, rejected, None) when no step qualifies. Nothing is
     written. checked: steps whose files this process has just checked against their checksums
-    (a pull into a stage it locks), not hashed again."""
+    (a pull into a stage it locks), not hashed again. absent: {step: its files the stage may
+    lack} (a step pulled in part, `check_files`)."""
     workdir = Path(workdir)
     rejected = []
     if not (workdir / CHECKPOINTS).is_dir():
@@ -594,7 +616,7 @@ def newest_good_step(workdir, below: Optional[int] = None, items=None, checked=f
             if step in checked:
                 status, why = ("ok" if read_checksums(ck.step_dir(step)) is not None else "unchecked"), None
             else:
-                status, why = check_files(ck.step_dir(step), items)
+                status, why = check_files(ck.step_dir(step), items, (absent or {}).get(step, frozenset()))
             if status == "bad":
                 rejected.append((step, why))
                 continue

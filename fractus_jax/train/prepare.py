@@ -183,10 +183,12 @@ def open_training_corpus(cfg: TrainConfig, progress: bool = True):
     return corpus
 
 
-def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset(), checked=frozenset()) -> Plan:
+def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset(), checked=frozenset(),
+            absent=None) -> Plan:
     """Every check a user can fail, before anything is written to workdir. `explicit`: the
     fields the user set on the command line (the others are the config file's). `checked`:
-    steps whose files were just checked (`store.Mirror.checked`), not hashed again."""
+    steps whose files were just checked (`store.Mirror.checked`), not hashed again. `absent`:
+    {step: files the stage may lack} of steps pulled in part (`store.Mirror.left_out`)."""
     workdir = Path(workdir)
     n = cfg.mesh.data * cfg.mesh.fsdp
     if n > jax.device_count():
@@ -219,7 +221,7 @@ def prepare(cfg: TrainConfig, workdir, progress: bool = True, explicit=frozenset
     if workdir.exists() and not workdir.is_dir():
         raise TrainError(f"workdir {workdir} exists and is not a directory")
     rundir.check_not_in_run(workdir)
-    manifest, rejected, note = resume_point(workdir, checked)
+    manifest, rejected, note = resume_point(workdir, checked, absent)
     notes = []
     if manifest is not None:
         cfg = growth_lib.grown_model_for(cfg, manifest) or cfg
@@ -312,14 +314,14 @@ def check_val_slice(cfg: TrainConfig, val: Optional[CorpusPart]) -> None:
                          f"chunks of seq_len={cfg.seq_len}): {e}") from None
 
 
-def resume_point(workdir: Path, checked=frozenset()):
+def resume_point(workdir: Path, checked=frozenset(), absent=None):
     """(meta, rejected, note) of the step a run in workdir resumes from: the newest committed
     step whose files match their checksums and whose meta reads, whatever the manifest says
     (it may lag a crash, or be gone). (None, [], None) for a fresh run. Reads only."""
     if not workdir.exists():
         return None, [], None
     try:
-        step, meta, rejected, note = ckpt_lib.newest_good_step(workdir, checked=checked)
+        step, meta, rejected, note = ckpt_lib.newest_good_step(workdir, checked=checked, absent=absent)
     except OSError as e:
         raise TrainError(f"cannot read the checkpoints of {workdir}: {rundir.reason(e)}") from None
     if step is None:

@@ -35,8 +35,10 @@ zarr chunk files, since OCDBT merges every process's files in one directory). Af
 the processes exchange their files' names, sizes and sha256; each file goes to the store
 from the lowest process that holds it, every process uploading its share; process 0, which
 alone holds the lease and writes the logs, commits the step once the store holds every file
-of it (`PARTS_WAIT_SECONDS`). At the start each process pulls the step it resumes from
-whole: Orbax then restores from each stage as from a shared disk.
+of it (`PARTS_WAIT_SECONDS`). At the start each process pulls the step it resumes from but
+its arrays' chunk files (`Mirror.left_out`); restoring it, it fetches the chunk files its
+devices' shards read (`Mirror.fill`): Orbax then restores from each stage as from a shared
+disk, each process reading its shards only (a chunk file it lacks would read as zeros).
 
 Why a stage rather than Orbax writing to the bucket: orbax-checkpoint 0.12.8 hands array
 writes to tensorstore's own driver for gs:// only, and refuses an s3:// directory ("Checkpoint
@@ -58,6 +60,7 @@ import contextlib
 import errno
 import fcntl
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -674,6 +677,11 @@ class Mirror:
         # the stage once uploaded: `defer`): retention lets them go (`let_go`); a resume that
         # needs them fetches them
         self.deferred: set[int] = set()
+        # of a multi-process run, the steps pulled in part: {step: {name: (size, its array)}}
+        # of the chunk files left in the store, each process fetching those its shards read
+        # (`fill`)
+        self.left_out: dict[int, dict[str, tuple[int, str]]] = {}
+        self._fills = 0   # restores whose fetches the processes agreed on (each its own key)
         self._closed = False
 
     # -- start
@@ -728,7 +736,7 @@ class Mirror:
         return self.count > 1
 
     def _pull(self) -> None:
-        self.deferred, self.checked = set(), set()
+        self.deferred, self.checked, self.left_out = set(), set(), {}
         steps = store_steps(self.store)
         for step in sorted(s for s, record in steps.items() if record is None):
             if self.lead:   # the lease holder's to clean; the others only read what is committed
@@ -761,9 +769,17 @@ class Mirror:
                     if step in parts:   # this process's part: the store holds the step whole
                         shutil.rmtree(parts[step])
                 continue
+            files, rest = steps[step]["files"], {}
             if missing:
-                fetch_step(self.store, step, steps[step]["files"], local, self.log)
-            if ckpt_lib.saved_unusable(local / str(step)) is None:
+                if self.parts:   # the shards' chunk files come at the restore, those this process reads
+                    held = _step_files(local / str(step)) if (local / str(step)).is_dir() else {}
+                    rest = {n: (files[n], array) for n, array in chunk_files(files).items() if held.get(n) != files[n]}
+                    self.left_out[step] = rest
+                    self.log(f"note: step {step}'s shards ({sum(size for size, _ in rest.values()) / 1e6:.1f} MB "
+                             "not here) are fetched at the restore, each process those it reads")
+                fetch_step(self.store, step, {n: size for n, size in files.items() if n not in rest}, local,
+                           self.log)
+            if ckpt_lib.saved_unusable(local / str(step), absent=set(rest)) is None:
                 resumable = step
                 self.checked.add(step)
         if self.deferred:
@@ -784,6 +800,68 @@ class Mirror:
         self.committed = max(steps) if steps else None
         if self.lead:
             self._remove_gone(set(steps))
+
+    def fill(self, step: int, arrays: dict) -> None:
+        """Before a restore of a step the pull fetched in part: the chunk files that the
+        shards of `arrays` ({item/name: the array restored, its sharding the target's}) on
+        this process's devices read, fetched and checked against the step's checksums (a
+        chunk file missing would be read as zeros). An array the step holds that `arrays`
+        does not name is fetched whole. Every process of the run calls it for each restore,
+        and all agree: a step whose files fail on one process fails on all (CheckpointError:
+        the step is rejected everywhere); a store that fails one process's fetch stops every
+        process (RunDirIOError: nothing rejected, the same command resumes)."""
+        if not self.parts:
+            return
+        failure = None   # ("bad" | "io", why) of this process
+        try:
+            why = self._fill(step, arrays)
+            if why is not None:
+                failure = ("bad", why)
+        except CheckpointError as e:   # the store's files are not those committed
+            failure = ("bad", str(e))
+        except Exception as e:   # noqa: BLE001 - the store, the network, the disk
+            failure = ("io", failure_words(e))
+        self._fills += 1
+        key = f"fractus_jax/fill/{step}/{self._fills}"
+        client = policy.runtime_client()
+        client.key_value_set(f"{key}/{self.index}", json.dumps(failure))
+        failures = [(i, json.loads(client.blocking_key_value_get(f"{key}/{i}", policy.WAIT_MS)))
+                    for i in range(self.count)]
+        url = self.store.url_of(CHECKPOINTS, str(step))
+        for i, f in sorted(failures, key=lambda x: (x[1] is None or x[1][0] != "io", x[0])):
+            if f is not None:
+                where = "" if i == self.index else f"process {i}: "
+                if f[0] == "io":
+                    raise rundir.RunDirIOError(f"cannot fetch the shards of step {step} from {url} ({where}{f[1]}); "
+                                               f"{self._store_words()}")
+                raise CheckpointError(f"the shards of step {step} in {url} are not those committed ({where}{f[1]})")
+
+    def _fill(self, step: int, arrays: dict) -> Optional[str]:
+        """This process's part of `fill`: why a fetched file fails its checksum, or None."""
+        left = self.left_out.get(step)
+        if not left:
+            return None
+        step_dir = self.stage / CHECKPOINTS / str(step)
+        by_array = collections.defaultdict(set)
+        for n, (_, array) in left.items():
+            by_array[array].add(n)
+        need = set()
+        for array, names in by_array.items():
+            leaf = arrays.get(array)
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is None:
+                need |= names
+                continue
+            zarray = json.loads((step_dir / array / ".zarray").read_text())
+            read = chunk_names(zarray, sharding.addressable_devices_indices_map(tuple(leaf.shape)).values())
+            need |= {n for n in names if n[len(array) + 1:] in read}
+        mb = lambda names: sum(left[n][0] for n in names) / 1e6   # noqa: E731
+        self.log(f"step {step}: this process's shards read {len(need)} of the {len(left)} chunk files not here "
+                 f"({mb(need):.1f} of {mb(left):.1f} MB)")
+        if need:
+            fetch_step(self.store, step, {n: left[n][0] for n in need}, self.stage / CHECKPOINTS, self.log)
+        self.left_out[step] = {n: v for n, v in left.items() if n not in need}
+        return ckpt_lib.check_some(step_dir, need)
 
     def fetch_deferred(self) -> bool:
         """Fetch the committed steps the pull left in the store (a resume rejected every step
@@ -989,6 +1067,45 @@ def store_steps(store: Store) -> dict[int, Optional[dict]]:
             except (FileNotFoundError, ValueError):
                 steps[int(name)] = None
     return steps
+
+
+# A zarr array's chunk file, by its path in the array's directory: its index in the chunk grid
+# ("0.4", or "0/4" for an array whose dimension separator is a slash).
+CHUNK = re.compile(r"^\d+([./]\d+)*$")
+
+
+def chunk_files(files) -> dict[str, str]:
+    """{name: its array's directory} of a step's zarr chunk files (of a multi-process run's
+    step, whose arrays are each a directory: .zarray and a file per chunk)."""
+    arrays = {n[:-len("/.zarray")] for n in files if n.endswith("/.zarray")}
+    chunks = {}
+    for n in files:
+        keys = n.split("/")
+        for k in range(len(keys) - 1, 0, -1):   # the array: the longest prefix holding a .zarray
+            array = "/".join(keys[:k])
+            if array in arrays:
+                if CHUNK.match("/".join(keys[k:])):
+                    chunks[n] = array
+                break
+    return chunks
+
+
+def chunk_names(zarray: dict, indices) -> set[str]:
+    """The chunk files (names in the array's directory) of a zarr array (its .zarray) that
+    hold any element of `indices`: a tuple of slices, one per dimension, for each shard."""
+    shape, grid = zarray["shape"], zarray["chunks"]
+    sep = zarray.get("dimension_separator") or "."
+    if not shape:
+        return {"0"}
+    names = set()
+    for index in indices:
+        index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
+        ranges = []
+        for s, n, c in zip(index, shape, grid):
+            start, stop, _ = s.indices(n)
+            ranges.append(range(start // c, -(-stop // c)) if stop > start else range(0))
+        names.update(sep.join(map(str, k)) for k in itertools.product(*ranges))
+    return names
 
 
 def _is_part(held: dict[str, int], files: Optional[dict[str, int]]) -> bool:
