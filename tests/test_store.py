@@ -583,7 +583,7 @@ def needed_by_elements(shape, grid, indices):
 
 def test_the_chunks_a_process_reads_are_those_its_shards_touch():
     """A process fetches, of a step pulled in part, the chunk files its devices' shards read
-    (a chunk file left out reads as zeros): the chunks that hold an element of a shard,
+    (a chunk file left out fails the restore): the chunks that hold an element of a shard,
     whatever the saved chunks' grid and the target sharding."""
     devices = np.array(jax.devices()[:8])
     P = jax.sharding.PartitionSpec

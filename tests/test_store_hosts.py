@@ -99,6 +99,36 @@ def test_two_processes_without_a_shared_disk_train_save_and_resume(served, corpu
     assert max(int(k.split("/")[2]) for k in keys if k.endswith("/" + store.COMMITTED)) == 10, keys
 
 
+def test_two_processes_resume_a_step_onto_another_mesh_fetching_what_they_read(corpus_file, tmp_path, monkeypatch):
+    """Two processes save step 2 on a mesh of data=2 x fsdp=4 and resume it on fsdp=8, the
+    axis now spanning both hosts: each fetches the chunk files its new shards read (found
+    from the sharding it restores to, not the one saved), and step 4 is bit for bit the
+    step the same two processes reach on one shared disk."""
+    server = S3Server()
+    try:
+        url = f"s3://{server.bucket('mesh')}/run"
+        env = child_env(server.env())
+        first, moved = ["max_steps=2", "save_every=2"], ["max_steps=4", "save_every=2", "mesh.data=1", "mesh.fsdp=8"]
+        launch(url, corpus_file, first, each=stages(tmp_path, "a"), env=env)
+        errs = launch(url, corpus_file, moved, each=stages(tmp_path, "b"), env=env)
+        for i, err in enumerate(errs):
+            assert f"process-{i} at step 2, lane offset" in err, err[-3000:]
+            m = re.search(r"step 2: this process's shards read (\d+) of the (\d+) chunk files not here", err)
+            assert m and 0 < int(m[1]) < int(m[2]), err[-3000:]
+        shared = tmp_path / "shared"
+        launch(shared, corpus_file, first, env=env)
+        launch(shared, corpus_file, moved, env=env)
+
+        monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+        set_env(monkeypatch, server.env())
+        (a, meta_a), (b, meta_b) = restore_state(store.readable(url, log=lambda m: None)), restore_state(shared)
+        assert meta_a["step"] == meta_b["step"] == 4 and meta_a["config"]["mesh"]["fsdp"] == 8
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    finally:
+        server.close()
+
+
 def test_a_shard_only_one_process_reads_fails_the_step_on_both(corpus_file, tmp_path, monkeypatch):
     """A chunk file of step 4 that only process 1 reads (a row of the carry on its devices)
     differs in the store from its checksum: both processes reject step 4, not process 1

@@ -38,7 +38,9 @@ alone holds the lease and writes the logs, commits the step once the store holds
 of it (`PARTS_WAIT_SECONDS`). At the start each process pulls the step it resumes from but
 its arrays' chunk files (`Mirror.left_out`); restoring it, it fetches the chunk files its
 devices' shards read (`Mirror.fill`): Orbax then restores from each stage as from a shared
-disk, each process reading its shards only (a chunk file it lacks would read as zeros).
+disk, each process reading its shards only (Orbax reads with tensorstore's
+fill_missing_data_reads off: a chunk file a process lacks fails its restore, never reads as
+zeros).
 
 Why a stage rather than Orbax writing to the bucket: orbax-checkpoint 0.12.8 hands array
 writes to tensorstore's own driver for gs:// only, and refuses an s3:// directory ("Checkpoint
@@ -805,7 +807,7 @@ class Mirror:
         """Before a restore of a step the pull fetched in part: the chunk files that the
         shards of `arrays` ({item/name: the array restored, its sharding the target's}) on
         this process's devices read, fetched and checked against the step's checksums (a
-        chunk file missing would be read as zeros). An array the step holds that `arrays`
+        chunk file missing would fail the restore). An array the step holds that `arrays`
         does not name is fetched whole. Every process of the run calls it for each restore,
         and all agree: a step whose files fail on one process fails on all (CheckpointError:
         the step is rejected everywhere); a store that fails one process's fetch stops every
