@@ -135,12 +135,9 @@ def gather_step_files(step_dir: Path, key: str) -> dict[str, tuple[int, str, int
     to it far apart (one still finishing its save)."""
     mine = {str(p.relative_to(step_dir)): [p.stat().st_size, _file_sha256(p)]
             for p in sorted(step_dir.rglob("*")) if p.is_file()}
-    client = policy.runtime_client()
-    client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(mine, sort_keys=True))
     union: dict[str, tuple[int, str, int]] = {}
-    for process in range(jax.process_count()):
-        for name, (size, sha) in json.loads(client.blocking_key_value_get(f"{key}/{process}",
-                                                                          policy.WAIT_MS)).items():
+    for process, files in enumerate(policy.gather_json(key, mine, jax.process_index(), jax.process_count())):
+        for name, (size, sha) in files.items():
             union.setdefault(name, (int(size), sha, process))
     return union
 
@@ -513,7 +510,7 @@ class RunCheckpointer:
         extra_abstract = {k: abstract_state[k] for k in ("carry", "step", "skipped")}
         wanted = {"params": abstract_state["params"], "opt_state": abstract_state["opt_state"],
                   "extra": extra_abstract}
-        if self.mirror is not None:   # a step pulled in part: the files this process's shards read
+        if self.parts:   # a step pulled in part: the files this process's shards read
             self.mirror.fill(step, {f"{k}/{name}": leaf for k in items for name, leaf in zip(
                 jax.tree.leaves(ocp.tree.get_param_names(wanted[k], include_empty_nodes=False)),
                 jax.tree.leaves(wanted[k]))})

@@ -180,6 +180,15 @@ def runtime_client():
     return multihost.get_jax_distributed_client()
 
 
+def gather_json(key: str, value, index: int, count: int) -> list:
+    """Every process's JSON `value`, by process: each process calls it once with the same key
+    and gets the same list, through the coordination service's key-value store (no device
+    collective, whose first use gives up when the processes come to it far apart)."""
+    client = runtime_client()
+    client.key_value_set(f"{key}/{index}", json.dumps(value, sort_keys=True))
+    return [json.loads(client.blocking_key_value_get(f"{key}/{i}", WAIT_MS)) for i in range(count)]
+
+
 def deadline_margin(step_seconds: Optional[float], save_seconds: float) -> float:
     """The seconds a run stops short of its deadline: two steps (the one in flight and the
     next), SAVE_FACTOR times the save's expected seconds (the slowest of the last ones timed;

@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from fractus_jax.train import tboard
 
@@ -234,22 +234,28 @@ def set_aside_steps(workdir, steps: Iterable[int], log: Log) -> list[Path]:
     return moved
 
 
-def run_holding(workdir) -> Optional[Path]:
-    """The run directory whose checkpoints directory is, or holds, workdir (a run started in
-    RUN/checkpoints or in one of its steps would write into that run's steps); else None."""
-    path = Path(workdir).resolve()
-    for d in (path, *path.parents):
-        if d.name == CHECKPOINTS and any((d.parent / n).exists() for n in RUN_MARKS):
-            return d.parent
-    return None
+def runs_around(parts: Sequence[str]) -> Iterator[int]:
+    """Where a path (its parts) would lie in a run's checkpoints: each i, innermost first,
+    whose parts[:i] would be a run holding parts[i] == CHECKPOINTS (a run started in
+    RUN/checkpoints, or in one of its steps, would write among that run's steps)."""
+    return (i for i in range(len(parts) - 1, 0, -1) if parts[i] == CHECKPOINTS)
+
+
+def nested_run_error(where: str, run: str, checkpoints: str, url: bool = False) -> CheckpointError:
+    """The refusal of a run directory (a URL's run) `where` inside `run`'s checkpoints."""
+    this, other = ("a run", "a URL") if url else ("a run directory", "a path")
+    return CheckpointError(f"{where} lies in the checkpoints directory of the run {run}: {this} there would write "
+                           f"among that run's steps; give {other} outside {checkpoints}")
 
 
 def check_not_in_run(workdir) -> None:
-    """CheckpointError where workdir is, or lies inside, another run's checkpoints directory."""
-    run = run_holding(workdir)
-    if run is not None:
-        raise CheckpointError(f"{workdir} lies in the checkpoints directory of the run {run}: a run directory "
-                              f"there would write among that run's steps; give a path outside {run / CHECKPOINTS}")
+    """CheckpointError where workdir is, or lies inside, another run's checkpoints directory
+    (its parent holding one of RUN_MARKS)."""
+    path = Path(workdir).resolve()
+    for i in runs_around(path.parts):
+        run = Path(*path.parts[:i])
+        if any((run / n).exists() for n in RUN_MARKS):
+            raise nested_run_error(str(workdir), str(run), str(run / CHECKPOINTS))
 
 
 # ----------------------------------------------------------------------------- manifest

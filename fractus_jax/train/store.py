@@ -291,14 +291,11 @@ class Store:
         """CheckpointError where the URL is, or lies inside, another run's checkpoints (as
         `rundir.check_not_in_run` for a local directory)."""
         keys = self.root.split("/")
-        for i in range(len(keys), 1, -1):
-            if keys[i - 1] == CHECKPOINTS:
-                run = "/".join(keys[:i - 1])
-                if any(self._seen(f"{run}/{n}") for n in (LEASE, MANIFEST)):
-                    raise CheckpointError(
-                        f"{self.url} lies in the checkpoints directory of the run {self.scheme}://{run}: a run "
-                        f"there would write among that run's steps; give a URL outside "
-                        f"{self.scheme}://{run}/{CHECKPOINTS}")
+        for i in rundir.runs_around(keys):
+            run = "/".join(keys[:i])
+            if any(self._seen(f"{run}/{n}") for n in (LEASE, MANIFEST)):
+                where = f"{self.scheme}://{run}"
+                raise rundir.nested_run_error(self.url, where, f"{where}/{CHECKPOINTS}", url=True)
 
     def _seen(self, path: str) -> bool:
         """The object exists, as far as the credentials may see (a key allowed only its own
@@ -824,19 +821,16 @@ class Mirror:
         except Exception as e:   # noqa: BLE001 - the store, the network, the disk
             failure = ("io", failure_words(e))
         self._fills += 1
-        key = f"fractus_jax/fill/{step}/{self._fills}"
-        client = policy.runtime_client()
-        client.key_value_set(f"{key}/{self.index}", json.dumps(failure))
-        failures = [(i, json.loads(client.blocking_key_value_get(f"{key}/{i}", policy.WAIT_MS)))
-                    for i in range(self.count)]
-        url = self.store.url_of(CHECKPOINTS, str(step))
-        for i, f in sorted(failures, key=lambda x: (x[1] is None or x[1][0] != "io", x[0])):
-            if f is not None:
-                where = "" if i == self.index else f"process {i}: "
-                if f[0] == "io":
-                    raise rundir.RunDirIOError(f"cannot fetch the shards of step {step} from {url} ({where}{f[1]}); "
-                                               f"{self._store_words()}")
-                raise CheckpointError(f"the shards of step {step} in {url} are not those committed ({where}{f[1]})")
+        failures = policy.gather_json(f"fractus_jax/fill/{step}/{self._fills}", failure, self.index, self.count)
+        failed = [(i, f) for i, f in enumerate(failures) if f is not None]
+        failed.sort(key=lambda x: x[1][0] != "io")   # a store that failed first: then nothing is rejected
+        if failed:
+            (i, (kind, why)), url = failed[0], self.store.url_of(CHECKPOINTS, str(step))
+            where = "" if i == self.index else f"process {i}: "
+            if kind == "io":
+                raise rundir.RunDirIOError(f"cannot fetch the shards of step {step} from {url} ({where}{why}); "
+                                           f"{self._store_words()}")
+            raise CheckpointError(f"the shards of step {step} in {url} are not those committed ({where}{why})")
 
     def _fill(self, step: int, arrays: dict) -> Optional[str]:
         """This process's part of `fill`: why a fetched file fails its checksum, or None."""
