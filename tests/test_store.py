@@ -707,8 +707,10 @@ def test_the_stage_holds_the_step_saved_last_and_the_newest_good_one(s3, bucket,
     for step in (4, 5):
         files = json.loads(s3.read(bucket, f"run/checkpoints/{step}/committed.json"))["files"]
         store.fetch_step(fetch, step, files, pulled / "checkpoints", logs.append)
-    assert ckpt_lib.saved_unusable(pulled / "checkpoints" / "5") is None
-    assert ckpt_lib.saved_unusable(pulled / "checkpoints" / "4") is not None   # not finite, as saved
+    for step in (4, 5):
+        assert ckpt_lib.check_files(pulled / "checkpoints" / str(step)) == ("ok", None)
+    assert ckpt_lib.saved_non_finite(pulled / "checkpoints" / "5") is None
+    assert ckpt_lib.saved_non_finite(pulled / "checkpoints" / "4") is not None   # not finite, as saved
 
 
 # ----------------------------------------------------------------------------- kills and cuts
@@ -872,6 +874,79 @@ def test_a_rejected_step_saved_again_is_moved_aside_in_the_store(s3, bucket, str
     assert held == {k[len(prefix):]: len(s3.read(bucket, k)) for k in s3.keys(bucket, prefix)
                     if k != prefix + store.COMMITTED}
     assert biggest[len(prefix):] not in held
+
+
+@pytest.mark.parametrize("damaged", ["a params file", "checksums.json", "a params file cut short"])
+def test_a_stage_whose_copy_of_a_step_is_damaged_fetches_it_again(damaged, s3, bucket, straight, tmp_path):
+    """The same pod starts again on its stage, whose copy of step 4 its disk has changed (a
+    params file or the step's checksums.json at the same size; a params file cut short, which
+    moves the copy aside); the store's step 4 is the one committed: the pull fetches it again,
+    the run resumes from it, the store keeps it, and the run ends equal to one never
+    interrupted."""
+    cfg6, straight_dir = straight
+    url = f"s3://{bucket}/run"
+    stage = tmp_path / "pod-a"
+    train_url(tiny(cfg6.corpus, "max_steps=4"), url, stage)
+    step_4 = stage / "checkpoints" / "4"
+    target = (max((p for p in (step_4 / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+              if damaged == "a params file" else step_4 / ckpt_lib.CHECKSUMS)
+    data = bytearray(target.read_bytes())
+    if damaged == "a params file":
+        data[len(data) // 2] ^= 0x20
+    elif damaged == "checksums.json":
+        data[0] = ord("x")   # a JSON that does not read
+    else:
+        del data[len(data) // 2:]
+    target.write_bytes(bytes(data))
+    last, logs = train_url(cfg6, url, stage)
+    if damaged == "a params file cut short":
+        moved = stage / "unpushed" / "4"
+        assert f"note: moved {step_4} to {moved}: {url} holds step 4 committed with other files" in logs, logs
+        assert (moved / target.relative_to(step_4)).stat().st_size == len(data)
+    else:
+        why = "params failed its checksum" if damaged == "a params file" else "its checksums.json does not read"
+        notes = [line for line in logs if line.startswith(f"note: the stage's copy of step 4 is not the one "
+                                                          f"committed ({why}")]
+        assert len(notes) == 1 and notes[0].endswith(f"fetching it again from {url}"), logs
+    assert [line.split()[2] for line in logs if line.startswith("pulling step ")] == ["4"], logs
+    assert f"resumed {stage} at step 4, lane offset {4 * cfg6.seq_len}" in logs, logs
+    assert not any(line.startswith("warning:") for line in logs), logs
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == [2, 4, 6] and not s3.keys(bucket, "run/rejected/")
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_process_whose_part_of_a_step_is_damaged_fetches_the_step_again(damaged, bucket, tmp_path):
+    """Process 1 of two starts on its old stage, which holds its part of step 4 (one of the
+    array's two chunk files); when its disk has changed that chunk file (at its size), the pull
+    fetches the step again, leaving both chunk files to the restore; otherwise it keeps it."""
+    url = f"s3://{bucket}/run"
+    saved = tmp_path / "saved" / "4"
+    contents = {"params/w/.zarray": b'{"chunks": [1, 4]}', "params/w/0.0": b"a" * 64, "params/w/1.0": b"b" * 64,
+                "params/_METADATA": b"{}"}
+    for name, data in contents.items():
+        (saved / name).parent.mkdir(parents=True, exist_ok=True)
+        (saved / name).write_bytes(data)
+    ckpt_lib.write_checksums(saved, {"params": True}, {"params": ckpt_lib.item_checksums(saved / "params")})
+    files = store._step_files(saved)
+    run = store.Store(url)
+    run.put([saved / n for n in files], [f"checkpoints/4/{n}" for n in files])
+    store.write_commit(run, 4, files)
+    part = tmp_path / "stage" / "checkpoints" / "4"
+    for name in ("params/w/.zarray", "params/w/1.0"):
+        (part / name).parent.mkdir(parents=True, exist_ok=True)
+        (part / name).write_bytes(b"c" * 64 if damaged and name.endswith("1.0") else contents[name])
+
+    logs = []
+    mirror = store.Mirror(url, tmp_path / "stage", logs.append, index=1, count=2)
+    mirror.pull()
+    noted = [line for line in logs if line.startswith("note: the stage's copy of step 4 is not the one committed")]
+    assert noted == ([f"note: the stage's copy of step 4 is not the one committed (params failed its checksum "
+                      f"(w/1.0 differs)); fetching it again from {url}"] if damaged else []), logs
+    left = {"params/w/0.0": (64, "params/w")} | ({"params/w/1.0": (64, "params/w")} if damaged else {})
+    assert mirror.left_out == {4: left} and mirror.checked == {4}
+    assert set(store._step_files(part)) == set(files) - set(left)
+    assert ckpt_lib.check_files(part, absent=set(left)) == ("ok", None)
 
 
 def test_a_new_pod_pulls_only_the_step_it_resumes_from(s3, bucket, straight, tmp_path):

@@ -191,13 +191,8 @@ def check_files(step_dir: Path, items=None, absent=frozenset()) -> tuple[str, Op
     return "ok", None
 
 
-def saved_unusable(step_dir: Path, absent=frozenset()) -> Optional[str]:
-    """Why a committed step cannot be resumed, judged from its files alone (no array read):
-    its checksums fail, or it was saved holding NaN or Inf; None when it may be. absent: as
-    for `check_files`."""
-    status, why = check_files(step_dir, absent=absent)
-    if status == "bad":
-        return why
+def saved_non_finite(step_dir: Path) -> Optional[str]:
+    """Why a step's checksums.json says it was saved holding NaN or Inf, or None."""
     finite = (read_checksums(step_dir) or {}).get("finite") or {}
     bad = sorted(k for k, ok in finite.items() if not ok)
     return f"{' and '.join(bad)} held NaN or Inf when saved" if bad else None

@@ -19,7 +19,8 @@ the stage: steps newest first until one verifies (its checksums, its finite flag
 ones left in the store (`Mirror.deferred`: retention counts them, and a resume that rejects
 every stage step fetches them); a step the store does not hold as committed (an upload that
 was cut) is deleted from the store, and a stage step the store lacks is moved aside to
-STAGE/unpushed/. After each local commit (checksums and manifest written) the step is
+STAGE/unpushed/; a step the stage held already whose copy fails its checks is fetched again
+(the store's is the one committed). After each local commit (checksums and manifest written) the step is
 uploaded in a background thread: its files, the logs, then committed.json, then the
 manifest; retention and rejections are then mirrored. Once a step's upload has settled,
 the next save drops it from the stage: a stage holds the step just saved and the newest
@@ -755,7 +756,8 @@ class Mirror:
                     parts[int(p.name)] = p
                 elif record is None or held != record.get("files"):
                     moved = rundir.move_aside(p, self.stage / UNPUSHED)
-                    self.log(f"note: moved {p} to {moved}: {self.url} does not hold it as committed")
+                    self.log(f"note: moved {p} to {moved}: {self.url} " + ("does not hold it as committed" if record is None
+                             else f"holds step {p.name} committed with other files"))
         # Newest first, until a step verifies (its checksums, its finite flags): a resume needs
         # that step alone. The older ones stay in the store (`deferred`) unless the stage holds
         # them whole; a resume that rejects the step fetches them (`fetch_deferred`).
@@ -768,17 +770,17 @@ class Mirror:
                     if step in parts:   # this process's part: the store holds the step whole
                         shutil.rmtree(parts[step])
                 continue
-            files, rest = steps[step]["files"], {}
-            if missing:
-                if self.parts:   # the shards' chunk files come at the restore, those this process reads
-                    held = _step_files(local / str(step)) if (local / str(step)).is_dir() else {}
-                    rest = {n: (files[n], array) for n, array in chunk_files(files).items() if held.get(n) != files[n]}
-                    self.left_out[step] = rest
-                    self.log(f"note: step {step}'s shards ({sum(size for size, _ in rest.values()) / 1e6:.1f} MB "
-                             "not here) are fetched at the restore, each process those it reads")
-                fetch_step(self.store, step, {n: size for n, size in files.items() if n not in rest}, local,
-                           self.log)
-            if ckpt_lib.saved_unusable(local / str(step), absent=set(rest)) is None:
+            step_dir, files = local / str(step), steps[step]["files"]
+            held = step_dir.exists()
+            rest = self._fetch(step, files) if missing else {}
+            damage = _differs_from_commit(step_dir, files, rest)
+            if damage is not None and held:   # this disk's copy: the store's is the one committed
+                self.log(f"note: the stage's copy of step {step} is not the one committed ({damage}); fetching "
+                         f"it again from {self.url}")
+                shutil.rmtree(step_dir)
+                rest = self._fetch(step, files)
+                damage = _differs_from_commit(step_dir, files, rest)
+            if damage is None and ckpt_lib.saved_non_finite(step_dir) is None:
                 resumable = step
                 self.checked.add(step)
         if self.deferred:
@@ -799,6 +801,21 @@ class Mirror:
         self.committed = max(steps) if steps else None
         if self.lead:
             self._remove_gone(set(steps))
+
+    def _fetch(self, step: int, files: dict[str, int]) -> dict[str, tuple[int, str]]:
+        """The committed step's files the stage lacks, into it; in a multi-process run, all but
+        its arrays' chunk files, which come at the restore (`fill`): returns those, left out."""
+        rest = {}
+        if self.parts:
+            step_dir = self.stage / CHECKPOINTS / str(step)
+            held = _step_files(step_dir) if step_dir.is_dir() else {}
+            rest = {n: (files[n], array) for n, array in chunk_files(files).items() if held.get(n) != files[n]}
+            self.left_out[step] = rest
+            self.log(f"note: step {step}'s shards ({sum(size for size, _ in rest.values()) / 1e6:.1f} MB "
+                     "not here) are fetched at the restore, each process those it reads")
+        fetch_step(self.store, step, {n: size for n, size in files.items() if n not in rest}, self.stage / CHECKPOINTS,
+                   self.log)
+        return rest
 
     def fill(self, step: int, arrays: dict) -> None:
         """Before a restore of a step the pull fetched in part: the chunk files that the
@@ -1102,6 +1119,16 @@ def chunk_names(zarray: dict, indices) -> set[str]:
             ranges.append(range(start // c, -(-stop // c)) if stop > start else range(0))
         names.update(sep.join(map(str, k)) for k in itertools.product(*ranges))
     return names
+
+
+def _differs_from_commit(step_dir: Path, files: dict[str, int], absent=frozenset()) -> Optional[str]:
+    """How a step's files differ from those committed (`files`, the commit's sizes, checksums.json
+    among them): a file that fails its checksum, or a checksums.json that does not read; None
+    when they match. absent: as for `checkpoint.check_files`."""
+    status, why = ckpt_lib.check_files(step_dir, absent=absent)
+    if status == "unchecked" and ckpt_lib.CHECKSUMS in files:
+        return f"its {ckpt_lib.CHECKSUMS} does not read"
+    return why if status == "bad" else None
 
 
 def _is_part(held: dict[str, int], files: Optional[dict[str, int]]) -> bool:
