@@ -33,6 +33,7 @@ HOOK = textwrap.dedent("""
     from fractus_jax.train import policy
     from fractus_jax.train.__main__ import main
     offset, rate, sigterm_after, every_process_caches = {offset!r}, {rate!r}, {sigterm_after!r}, {cache!r}
+    restore_fails_at = {restore_fails_at!r}
     if every_process_caches:
         # JAX writes compilation cache entries from process 0 only, and each process's
         # programs have keys of their own: process 1's would never be found. No public
@@ -58,6 +59,14 @@ HOOK = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGTERM)   # seen at the next step
             return decision
         policy.StopSavePolicy.at_step = at_step_then_sigterm
+    if restore_fails_at is not None:   # this process alone cannot restore that step (its own disk)
+        from fractus_jax.train import checkpoint
+        restore = checkpoint.RunCheckpointer.restore
+        def restore_failing(self, abstract_state, step=None, items=("params", "opt_state", "extra")):
+            if step == restore_fails_at:
+                raise OSError(f"a read of step {{step}} failed on this host")
+            return restore(self, abstract_state, step, items)
+        checkpoint.RunCheckpointer.restore = restore_failing
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -69,7 +78,8 @@ def _free_port() -> int:
 
 
 def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, args=(), each=None, env=None):
-    """The two processes, started. hooks: {process: dict(offset=, rate=, sigterm_after=)}.
+    """The two processes, started. hooks: {process: dict(offset=, rate=, sigterm_after=,
+    restore_fails_at=)}.
     logs: a directory for their stderr (err0.txt, err1.txt; otherwise pipes, to be read
     while they run). cache: a persistent compilation cache directory that both processes
     read and write (each its own entries), or None for none. A cache that one process finds
@@ -92,7 +102,8 @@ def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, ar
     sets = [f"--set={o}" for o in [f"corpus={corpus_file}", *RUN, *overrides]]
     procs = []
     for i in range(2):
-        hook = {"offset": 0.0, "rate": 1.0, "sigterm_after": None, **hooks.get(i, {}), "cache": cache is not None}
+        hook = {"offset": 0.0, "rate": 1.0, "sigterm_after": None, "restore_fails_at": None, **hooks.get(i, {}),
+                "cache": cache is not None}
         procs.append(subprocess.Popen(
             [sys.executable, "-c", HOOK.format(**hook), "--no-progress", "--config", "tiny",
              "--workdir", str(workdir), *sets, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
@@ -258,3 +269,49 @@ def test_a_peer_killed_ends_the_other_in_bounded_time_naming_it_and_the_step_to_
     # Both restarted resume from that step (max_steps there: nothing more to compile).
     errs = launch(run, corpus_file, [f"max_steps={step}", "save_every=2"], cache=warm_cache)
     assert f"resumed {run} at step {step}" in errs[0], errs[0][-2000:]
+
+
+@pytest.mark.parametrize("who", [1, 0])
+def test_a_process_that_stops_on_an_error_ends_the_other_naming_it(who, corpus_file, tmp_path):
+    """One host lacks the corpus (a new pod whose shards were not copied to every host): that
+    process stops on its error, and the other ends with that error named (exit 2 on both),
+    rather than on a collective's timeout of its own that names the checkpoints."""
+    run = tmp_path / "run"
+    procs = start(run, corpus_file, ["max_steps=4"], logs=tmp_path,
+                  each={who: ["--set", f"corpus={tmp_path / 'missing.u16'}"]})
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    errs = [(tmp_path / f"err{i}.txt").read_text() for i in range(2)]
+    own = f"error: {tmp_path / 'missing.u16'}: no such corpus file"
+    assert codes == [2, 2], errs
+    assert errs[who].rstrip("\n").splitlines()[-1] == own, errs[who][-3000:]
+    last = errs[1 - who].rstrip("\n").splitlines()[-1]
+    assert last.startswith(f"error: process {who} stopped: {own[len('error: '):]}. This process {1 - who} stops "
+                           "too (exit 2)"), errs[1 - who][-3000:]
+    assert f"--process-id {1 - who}" in last and "Traceback" not in errs[1 - who], errs[1 - who][-3000:]
+    assert not any("checkpoint" in line for line in errs[1 - who].splitlines() if line.startswith("error:")), errs
+
+
+def test_a_step_one_process_alone_cannot_restore_stops_both_and_rejects_nothing(corpus_file, tmp_path, warm_cache):
+    """Process 1 cannot read step 4 (a fault of its own host): it cannot fall back alone (the
+    processes would hold shards of different steps), so both stop, exit 2, naming the step
+    and the cause; step 4 stays, and the same commands resume from it."""
+    run = tmp_path / "run"
+    launch(run, corpus_file, ["max_steps=4", "save_every=2"], cache=warm_cache)
+    procs = start(run, corpus_file, STRAIGHT, hooks={1: {"restore_fails_at": 4}}, logs=tmp_path, cache=warm_cache)
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    errs = [(tmp_path / f"err{i}.txt").read_text() for i in range(2)]
+    assert codes == [2, 2], errs
+    cause = "step 4 could not be restored (OSError: a read of step 4 failed on this host), and then: "
+    assert errs[1].rstrip("\n").splitlines()[-1].startswith("error: " + cause), errs[1][-3000:]
+    assert errs[0].rstrip("\n").splitlines()[-1].startswith("error: process 1 stopped: " + cause), errs[0][-3000:]
+    assert "resumed" not in errs[0] + errs[1] and saved_steps(run) == [2, 4] and not (run / "rejected").exists()
+    errs = launch(run, corpus_file, STRAIGHT, cache=warm_cache)
+    assert f"resumed {run} at step 4" in errs[0], errs[0][-2000:]

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -408,6 +409,51 @@ def test_the_watchdog_names_a_silent_peer_or_process_0_when_the_store_is_silent(
     store.down = True   # process 0 and its store gone: process 1 names process 0
     tick(timeout + 2 * peers.HEARTBEAT_SECONDS, who=(1,))
     assert dogs[1].lost()[0] == 0
+
+
+def test_a_process_that_stops_on_an_error_ends_the_others_with_its_line():
+    """Process 1 of three stops on an error of its own: its counter becomes the error's line;
+    the others read it at their next beat and end with it (EXIT_PEER_FAILED), not after a
+    silence; process 1 ends once they have read it and gone silent, never judging them lost."""
+    from fractus_jax.train import peers
+
+    now, store, codes = [0.0], _Store(), []
+    dogs = [peers.Watchdog(store, i, 3, lambda p, s: f"lost {p}", clock=lambda: now[0], exit=codes.append,
+                           failed=lambda p, line: f"stopped {p}: {line}") for i in range(3)]
+
+    def tick(seconds, who=(0, 1, 2)):
+        for _ in range(int(seconds / peers.HEARTBEAT_SECONDS)):
+            now[0] += peers.HEARTBEAT_SECONDS
+            for i in who:
+                dogs[i].beat()
+
+    tick(10)
+    assert [d.failed() for d in dogs] == [None] * 3
+    failing = threading.Thread(target=dogs[1].fail, args=("error: /data/atom: no such\n corpus file", 2))
+    failing.start()
+    for _ in range(200):   # process 1 writes its line (once its thread has set it); the others read it
+        tick(peers.HEARTBEAT_SECONDS)
+        if dogs[0].failed() and dogs[2].failed():
+            break
+        time.sleep(0.05)
+    assert [dogs[0].failed(), dogs[2].failed()] == [(1, "error: /data/atom: no such corpus file")] * 2
+    assert dogs[1].failed() is None and failing.is_alive()   # it waits for them to go
+    dogs[0].end_failed(*dogs[0].failed())
+    assert codes == [peers.EXIT_PEER_FAILED]
+    tick(5 * peers.HEARTBEAT_SECONDS, who=(1,))   # the others gone silent (a beat seen one late)
+    failing.join(timeout=30)
+    assert not failing.is_alive() and codes == [peers.EXIT_PEER_FAILED, 2]
+    assert dogs[1].lost() is None   # never taken for lost: it ended by itself
+
+
+def test_a_process_that_stops_on_an_error_is_named_on_the_others_in_the_trainers_words():
+    from fractus_jax.train.__main__ import peer_failed_line
+
+    line = peer_failed_line(["--config", "tiny", "--process-id", "0"], 1, "error: /data/atom: no such corpus file",
+                            0, 2)
+    assert line.startswith("error: process 1 stopped: /data/atom: no such corpus file. This process 0 stops too "
+                           "(exit 2); once that is fixed, start all 2 processes again"), line
+    assert line.endswith("python -m fractus_jax.train --config tiny --process-id 0"), line
 
 
 def test_a_peer_timeout_under_five_heartbeats_is_refused(tmp_path):

@@ -6,6 +6,7 @@ import importlib.util
 import shlex
 import sys
 from pathlib import Path
+from typing import Optional
 
 import jax
 
@@ -76,7 +77,8 @@ def start_watchdog(args, argv):
     index, count = jax.process_index(), jax.process_count()   # not asked of JAX again once a peer is gone
     dog = peers.Watchdog(policy.runtime_client(), index, count,
                          lambda process, seconds: peer_lost_line(args, argv, process, seconds, index, count),
-                         timeout=args.peer_timeout).start()
+                         timeout=args.peer_timeout,
+                         failed=lambda process, line: peer_failed_line(argv, process, line, index, count)).start()
     dog.hold_aborts()
     return dog
 
@@ -101,26 +103,35 @@ def peer_lost_line(args, argv, process: int, seconds: float, index: int, count: 
             f"starting all {count} processes again with their same commands; this one's: {command}")
 
 
+def peer_failed_line(argv, process: int, line: str, index: int, count: int) -> str:
+    """The last line of process `index` when process `process` stopped on the error `line`."""
+    command = shlex.join(["python", "-m", "fractus_jax.train", *argv])
+    return (f"error: process {process} stopped: {line.removeprefix('error: ')}. This process {index} stops too "
+            f"(exit {peers.EXIT_PEER_FAILED}); once that is fixed, start all {count} processes again with their "
+            f"same commands; this one's: {command}")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     init_distributed(args)
     watchdog = start_watchdog(args, argv)
     try:
-        code = train(args, argv)
-    except BaseException:
-        if watchdog is not None:
-            watchdog.settle()   # a peer's death ends the process here, with its line
+        code, error = train(args, argv)
+    except BaseException as e:
+        if watchdog is not None:   # a peer's death ends the process in `fail`, by the watchdog's line
+            watchdog.fail(f"{type(e).__name__}: {e} (its traceback in that process's log)", 1, print_traceback=True)
         raise
     if watchdog is not None:
         if code == 0:
             watchdog.finish()
         else:
-            watchdog.settle()
+            watchdog.fail(error, code)   # the others end now, naming it; so does this process
     return code
 
 
-def train(args, argv) -> int:
+def train(args, argv) -> tuple[int, Optional[str]]:
+    """(exit status, the error line printed when it is not 0)."""
     user_errors = (config.ConfigError, TrainError, CorpusError, rundir.CheckpointError, LaneError)
     lead = jax.process_index() == 0
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
@@ -141,7 +152,7 @@ def train(args, argv) -> int:
         last = loop.run(plan, progress=not args.no_progress, log=log, mirror=mirror)
     except user_errors as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 2, f"error: {e}"
     finally:
         if mirror is not None:
             mirror.close(quiet=True)   # closed by the run already, unless it never started
@@ -153,7 +164,7 @@ def train(args, argv) -> int:
             print(line, file=sys.stderr)
     if lead:
         print(outputs_summary(args, argv, plan.cfg, rundir.read_manifest(local_dir(args))), file=sys.stderr)
-    return 0
+    return 0, None
 
 
 def local_dir(args) -> Path:

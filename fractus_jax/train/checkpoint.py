@@ -543,10 +543,13 @@ class RunCheckpointer:
                     return step, state, dict(meta), rejected
             rejected.append((step, why))
             below = step
-            step, meta, more, _ = newest_good_step(self.workdir, below=below)
-            if step is None and self.mirror is not None and self.mirror.fetch_deferred():
-                self.reload()   # the older steps the stage had left in the store, now here
+            try:
                 step, meta, more, _ = newest_good_step(self.workdir, below=below)
+                if step is None and self.mirror is not None and self.mirror.fetch_deferred():
+                    self.reload()   # the older steps the stage had left in the store, now here
+                    step, meta, more, _ = newest_good_step(self.workdir, below=below)
+            except CheckpointError as e:   # the cause first (in a multi-process run, a failure of this process alone)
+                raise type(e)(f"step {below} {why}, and then: {e}") from None
             rejected += more
             if step is not None and usable is not None and usable(meta):
                 raise CheckpointError(no_good_step_message(self.workdir, rejected, f"step {step} {usable(meta)}"))

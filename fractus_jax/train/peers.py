@@ -21,6 +21,12 @@ death (PEER_LOST_BOUND_SECONDS at the default timeout), by the watchdog's line.
 Heartbeats come from the watchdog's threads, so a compilation or a save of any length, or
 a step blocked in a collective, never looks like a death; a process that finished (its run
 ended or stopped on a signal) says so and is never taken for dead.
+
+A process that stops on an error of its own (a corpus missing on its host, credentials its
+host lacks, a disk without room) says so too, its error's line in place of its counter
+(`Watchdog.fail`), and waits until the others have read it: each of them then ends at once
+with that line and EXIT_PEER_FAILED, instead of waiting in a collective or a barrier for a
+process that will not come (up to the barrier's 10 minutes).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from typing import Callable, Optional
 
 HEARTBEAT_SECONDS = 2.0        # each process writes its counter this often
@@ -38,6 +45,7 @@ HEARTBEAT_SECONDS = 2.0        # each process writes its counter this often
 PEER_TIMEOUT_SECONDS = 30.0
 MIN_PEER_TIMEOUT_SECONDS = 5 * HEARTBEAT_SECONDS
 EXIT_PEER_LOST = 3             # the exit status of a survivor
+EXIT_PEER_FAILED = 2           # ... of one whose peer stopped on an error (the peer's own status)
 
 
 def lost_bound_seconds(timeout: float = PEER_TIMEOUT_SECONDS) -> float:
@@ -57,6 +65,7 @@ SERVICE_HEARTBEAT_TIMEOUT_SECONDS = service_heartbeat_timeout_seconds()   # 140 
 
 PREFIX = "fractus_jax/peers/"
 DONE = "done"
+FAILED = "failed: "            # a process's last value when it stops on an error: the error's line follows
 
 
 class Watchdog:
@@ -64,18 +73,25 @@ class Watchdog:
 
     client: the coordination service's client (`key_value_set`, `key_value_dir_get`).
     message(process, seconds): the line that ends this process when `process` has not
-    answered for `seconds` (called once, on the judge's thread). timeout: the silence that
+    answered for `seconds` (called once, on the judge's thread). failed(process, line): the
+    line that ends it when `process` stopped on the error `line`. timeout: the silence that
     makes a peer lost (PEER_TIMEOUT_SECONDS; no less than MIN_PEER_TIMEOUT_SECONDS)."""
 
     def __init__(self, client, process_index: int, process_count: int,
                  message: Callable[[int, float], str], clock: Callable[[], float] = time.monotonic,
-                 exit: Callable[[int], None] = os._exit, timeout: float = PEER_TIMEOUT_SECONDS):
+                 exit: Callable[[int], None] = os._exit, timeout: float = PEER_TIMEOUT_SECONDS,
+                 failed: Optional[Callable[[int, str], str]] = None):
         if timeout < MIN_PEER_TIMEOUT_SECONDS:
             raise ValueError(f"a peer timeout of {timeout} s is under {MIN_PEER_TIMEOUT_SECONDS} s "
                              "(five heartbeats): a late beat would read as a death")
         self.client, self.index, self.count = client, process_index, process_count
         self.message, self.clock, self.exit, self.timeout = message, clock, exit, timeout
+        self.failed_message = failed or (lambda process, line: f"error: process {process} stopped: {line}")
         self.beats = 0
+        self._final: Optional[str] = None   # written in place of the counter once this process fails
+        self._published: Optional[float] = None   # when the store took it
+        self._aborted = False   # JAX's client tried to abort the process meanwhile (and printed why)
+        self._stopping = False  # this process stops on its own error (`fail`)
         now = clock()
         self.last_ok = now                                  # the store's last answer
         self.seen = {i: (None, now) for i in range(process_count) if i != process_index}  # value, since
@@ -96,11 +112,15 @@ class Watchdog:
         trace) the moment it finds the coordination service gone (process 0 died) or told of
         a fault. The aborting thread is held while the watchdog judges: a peer lost, and the
         watchdog ends the process with its line and EXIT_PEER_LOST; every peer alive (the
-        abort was not a death), and the abort goes on."""
+        abort was not a death), and the abort goes on. A process that stops on its own error
+        (`fail`) holds it until it ends itself: the others, having read the error, end first."""
         import ctypes
 
         @ctypes.CFUNCTYPE(None, ctypes.c_int)
         def on_abort(_signum):
+            if self._final is not None:   # this process ends by itself (`fail`): the others went first
+                self._aborted = True
+                threading.Event().wait()
             self.settle()   # returning: abort() restores the default action and ends the process
 
         libc = ctypes.CDLL(None)
@@ -118,12 +138,15 @@ class Watchdog:
     def beat(self) -> None:
         try:
             self.beats += 1
-            self.client.key_value_set(f"{PREFIX}{self.index}", str(self.beats), allow_overwrite=True)
+            final = self._final
+            self.client.key_value_set(f"{PREFIX}{self.index}", final or str(self.beats), allow_overwrite=True)
             values = self.client.key_value_dir_get(PREFIX)
         except Exception:   # noqa: BLE001 - the runtime's error type is not public; the judge sees the silence
             return
         now = self.clock()
         with self._lock:
+            if final is not None and self._published is None:
+                self._published = now
             self.last_ok = now
             for key, value in values:
                 i = int(key.rstrip("/").rsplit("/", 1)[1])
@@ -134,10 +157,24 @@ class Watchdog:
     # The judge's thread: never blocks on the store.
     def _judge_loop(self) -> None:
         while not self._stop.wait(1.0):
+            if self._final is not None:
+                return   # this process stops on its own error
+            failed = None if self._stopping else self.failed()   # its own error is the one it names
+            if failed is not None:
+                self.end_failed(*failed)
+                return
             lost = self.lost()
             if lost is not None:
                 self.end(*lost)
                 return
+
+    def failed(self) -> Optional[tuple[int, str]]:
+        """(process, its error's line) of a peer that stopped on an error, or None."""
+        with self._lock:
+            for i, (value, _) in sorted(self.seen.items()):
+                if value is not None and value.startswith(FAILED):
+                    return i, value[len(FAILED):]
+        return None
 
     def lost(self) -> Optional[tuple[int, float]]:
         """(process, seconds silent) of a peer lost, or None. The store's silence first: then
@@ -146,6 +183,8 @@ class Watchdog:
         with self._lock:
             if self.seen.get(0, (None,))[0] == DONE:
                 return None   # process 0 finished: the store may go at any time
+            if self._final is not None:
+                return None   # this process ends by itself
             if now - self.last_ok > self.timeout:
                 return 0, now - self.last_ok
             for i, (value, since) in sorted(self.seen.items()):
@@ -158,12 +197,52 @@ class Watchdog:
             line = self.message(process, seconds)
         except Exception as e:   # noqa: BLE001 - the line must come out whatever happens
             line = f"error: process {process} stopped answering ({e})"
+        self._say(line)
+        self.exit(EXIT_PEER_LOST)
+
+    @staticmethod
+    def _say(line: str) -> None:
         try:
             sys.stdout.flush()
         except Exception:   # noqa: BLE001
             pass
-        print(line, file=sys.stderr, flush=True)
-        self.exit(EXIT_PEER_LOST)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            sys.stderr.flush()
+
+    def end_failed(self, process: int, line: str) -> None:
+        self._say(self.failed_message(process, line))
+        self.exit(EXIT_PEER_FAILED)
+
+    def fail(self, line: str, code: int, print_traceback: bool = False) -> None:
+        """This process stops on its own error (`line`, printed already) and ends with `code`:
+        its counter becomes that line, and it ends once each peer has read it (then ended,
+        silent for three heartbeats since) or stops too, within the bound of a peer's loss.
+        The service lives in process 0: a process 0 that ended before the others read its line
+        would be taken for lost, not for failed. It ends as the watchdog ends a survivor,
+        without jax.distributed's shutdown, whose barrier the others, blocked in a collective
+        or gone, would never reach. First `settle`: an error caused by a peer's death ends the
+        process there, by the watchdog's line naming the dead peer. print_traceback: called in
+        an `except` block, print the exception's traceback once it is known not to be a
+        peer's death."""
+        self._stopping = True
+        self.settle()
+        if print_traceback:
+            traceback.print_exc()
+        with self._lock:
+            self._final = FAILED + " ".join(line.split())
+        start = self.clock()
+        while self.clock() - start < lost_bound_seconds(self.timeout):
+            with self._lock:
+                now, published = self.clock(), self._published
+                if published is not None and all(
+                        v == DONE or (v or "").startswith(FAILED) or now - max(since, published) > 3 * HEARTBEAT_SECONDS
+                        for v, since in self.seen.values()):
+                    break
+            time.sleep(0.2)
+        self._say(line if self._aborted else "")   # its line last, after the client's report
+        self.exit(code)
 
     def settle(self) -> None:
         """After this process's run failed: return once every peer has beaten twice since (it
