@@ -271,6 +271,16 @@ def test_a_peer_killed_ends_the_other_in_bounded_time_naming_it_and_the_step_to_
     assert f"resumed {run} at step {step}" in errs[0], errs[0][-2000:]
 
 
+def ended(procs, logs):
+    """(exit statuses, stderr texts) of the two processes `start` began with `logs`, once both end."""
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return codes, [(Path(logs) / f"err{i}.txt").read_text() for i in range(2)]
+
+
 @pytest.mark.parametrize("who", [1, 0])
 def test_a_process_that_stops_on_an_error_ends_the_other_naming_it(who, corpus_file, tmp_path):
     """One host lacks the corpus (a new pod whose shards were not copied to every host): that
@@ -279,12 +289,7 @@ def test_a_process_that_stops_on_an_error_ends_the_other_naming_it(who, corpus_f
     run = tmp_path / "run"
     procs = start(run, corpus_file, ["max_steps=4"], logs=tmp_path,
                   each={who: ["--set", f"corpus={tmp_path / 'missing.u16'}"]})
-    try:
-        codes = [p.wait(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    errs = [(tmp_path / f"err{i}.txt").read_text() for i in range(2)]
+    codes, errs = ended(procs, tmp_path)
     own = f"error: {tmp_path / 'missing.u16'}: no such corpus file"
     assert codes == [2, 2], errs
     assert errs[who].rstrip("\n").splitlines()[-1] == own, errs[who][-3000:]
@@ -302,12 +307,7 @@ def test_a_step_one_process_alone_cannot_restore_stops_both_and_rejects_nothing(
     run = tmp_path / "run"
     launch(run, corpus_file, ["max_steps=4", "save_every=2"], cache=warm_cache)
     procs = start(run, corpus_file, STRAIGHT, hooks={1: {"restore_fails_at": 4}}, logs=tmp_path, cache=warm_cache)
-    try:
-        codes = [p.wait(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    errs = [(tmp_path / f"err{i}.txt").read_text() for i in range(2)]
+    codes, errs = ended(procs, tmp_path)
     assert codes == [2, 2], errs
     cause = "step 4 could not be restored (OSError: a read of step 4 failed on this host), and then: "
     assert errs[1].rstrip("\n").splitlines()[-1].startswith("error: " + cause), errs[1][-3000:]
