@@ -20,10 +20,10 @@ ones left in the store (`Mirror.deferred`: retention counts them, and a resume t
 every stage step fetches them); a step the store does not hold as committed (an upload that
 was cut) is deleted from the store, and a stage step the store lacks is moved aside to
 STAGE/unpushed/; a step the stage held already whose copy fails its checks is fetched again
-(the store's is the one committed). After each local commit (checksums and manifest written) the step is
-uploaded in a background thread: its files, the logs, then committed.json, then the
-manifest; retention and rejections are then mirrored. Once a step's upload has settled,
-the next save drops it from the stage: a stage holds the step just saved and the newest
+(the store's is the one committed). After each local commit (checksums and manifest
+written) the step is uploaded in a background thread: its files, the logs, then
+committed.json, then the manifest; retention and rejections are then mirrored. Once a
+step's upload has settled, the next save drops it from the stage: a stage holds the step just saved and the newest
 good one, the run's older steps being the store's alone (`Mirror.deferred` again). A store
 is never asked to append, rename or lock: every object is written whole by one PUT. The
 next save, and the end of the run, wait for the upload; an upload that failed stops the run
@@ -756,8 +756,9 @@ class Mirror:
                     parts[int(p.name)] = p
                 elif record is None or held != record.get("files"):
                     moved = rundir.move_aside(p, self.stage / UNPUSHED)
-                    self.log(f"note: moved {p} to {moved}: {self.url} " + ("does not hold it as committed" if record is None
-                             else f"holds step {p.name} committed with other files"))
+                    why = ("does not hold it as committed" if record is None
+                           else f"holds step {p.name} committed with other files")
+                    self.log(f"note: moved {p} to {moved}: {self.url} {why}")
         # Newest first, until a step verifies (its checksums, its finite flags): a resume needs
         # that step alone. The older ones stay in the store (`deferred`) unless the stage holds
         # them whole; a resume that rejects the step fetches them (`fetch_deferred`).
