@@ -72,9 +72,9 @@ def test_bptt_gradients_are_autodiff_of_the_unrolled_chunks_in_float64(accum, K,
     for wrong in broken.values():
         with pytest.raises(AssertionError):
             close(grads["bptt"], wrong)
-    # the carry the step hands on is the same either way (two programs: equal up to rounding)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15),
-                 new_carry["bptt"], new_carry["detached"])
+    # the carry the step hands on is the same either way (two programs: equal up to float64
+    # rounding, 1.3e-13 relative in an element of 0.22 where the sums cancel, on a clean CI)
+    close(new_carry["bptt"], new_carry["detached"])
     # the gradient through the carry is not nothing: the detached carry's gradient (K=1, the
     # mean of the chunks' own gradients) differs far beyond the tolerance
     rel = jax.tree_util.tree_map_with_path(
