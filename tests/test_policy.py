@@ -479,7 +479,36 @@ def test_the_watchdog_ends_the_process_with_its_line_last(capsys):
     for timeout in (peers.PEER_TIMEOUT_SECONDS, peers.MIN_PEER_TIMEOUT_SECONDS):
         assert peers.service_heartbeat_timeout_seconds(timeout) > peers.lost_bound_seconds(timeout) >= (
             timeout + 2 * peers.HEARTBEAT_SECONDS + 1)
-    assert peers.PEER_LOST_BOUND_SECONDS == 35 and peers.SERVICE_HEARTBEAT_TIMEOUT_SECONDS == 140   # docs/training.md
+    assert peers.PEER_LOST_BOUND_SECONDS == 37 and peers.SERVICE_HEARTBEAT_TIMEOUT_SECONDS == 148   # docs/training.md
+
+
+@pytest.mark.parametrize("how", ["a peer lost", "a peer failed", "its own error"])
+def test_the_watchdog_lets_go_what_the_process_holds_before_it_ends_it(how, monkeypatch):
+    """Before the watchdog ends the process (os._exit: no `finally` runs), it calls
+    before_exit (the trainer's: the store's lease let go); one that does not return (a store
+    that does not answer) holds the end for LET_GO_SECONDS only."""
+    from fractus_jax.train import peers
+
+    events, hung = [], threading.Event()
+
+    def before_exit():
+        events.append("let go")
+        hung.wait()   # never returns while the test runs
+
+    monkeypatch.setattr(peers, "LET_GO_SECONDS", 0.2)
+    dog = peers.Watchdog(_Store(), 0, 2, lambda p, s: "", exit=lambda code: events.append(code),
+                         before_exit=before_exit)
+    if how == "a peer lost":
+        dog.end(1, 31.0)
+    elif how == "a peer failed":
+        dog.end_failed(1, "error: x")
+    else:
+        monkeypatch.setattr(dog, "settle", lambda: None)
+        monkeypatch.setattr(peers, "lost_bound_seconds", lambda timeout: 0.0)
+        dog.fail("error: x", 2)
+    hung.set()
+    code = {"a peer lost": peers.EXIT_PEER_LOST, "a peer failed": peers.EXIT_PEER_FAILED}.get(how, 2)
+    assert events == ["let go", code]
 
 
 def test_the_coordination_client_comes_from_orbax_public_helper():

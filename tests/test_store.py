@@ -307,6 +307,28 @@ def test_the_lease_admits_one_writer(served, monkeypatch):
     third.release()
 
 
+def test_a_lease_let_go_as_the_process_ends_is_taken_at_once_and_commits_nothing_more(served):
+    """let_leases_go (the watchdog's before_exit): the store's lease is deleted, so a start on
+    another machine takes it without waiting for it to lapse; an upload still running in the
+    ending process commits nothing after it; a lease another process took is left alone."""
+    run = store.Store(served[1])
+    first = store.Lease(run, print).acquire()
+    store.let_leases_go()
+    assert not run.exists(store.LEASE)
+    with pytest.raises(rundir.RunDirBusy, match="this process is ending; this process commits nothing more"):
+        first.check()
+    notes = []
+    second = store.Lease(run, notes.append).acquire()   # no wait, no take-over: created afresh
+    assert notes == [] and run.exists(store.LEASE)
+    first.release()   # the first process's close, had it come: the second's lease stays
+    assert run.exists(store.LEASE)
+    run.write(b'{"holder": "other", "host": "elsewhere", "pid": 1, "expires": 1e12}', store.LEASE)
+    second.renew()   # lost to another process: not deleted at the end
+    store.let_leases_go()
+    assert json.loads(run.read(store.LEASE))["holder"] == "other"
+    run.delete(store.LEASE)
+
+
 @pytest.mark.parametrize("store_kind, words", [
     ("ignores If-None-Match", r"ignores conditional writes \(If-None-Match\)"),
     ("ignores If-Match", r"ignores conditional writes \(If-Match\)"),

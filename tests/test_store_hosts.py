@@ -156,3 +156,25 @@ def test_a_shard_only_one_process_reads_fails_the_step_on_both(corpus_file, tmp_
         assert any(k.startswith("run/rejected/4/") for k in keys) and "run/checkpoints/6/committed.json" in keys
     finally:
         server.close()
+
+
+def test_a_process_ended_by_a_peers_error_lets_the_lease_go(corpus_file, tmp_path):
+    """Process 1's host lacks the corpus: it stops on that error, and process 0, which holds
+    the run's lease, is ended by its watchdog (exit 2, no `finally` of the run): it lets the
+    lease go first, so that the run, started again on another pod, is taken at once rather
+    than after the lease lapses (LEASE_SECONDS)."""
+    from test_multihost_faults import ended, start
+
+    server = S3Server()
+    try:
+        url = f"s3://{server.bucket('ended')}/run"
+        each = stages(tmp_path, "a")
+        each[1] = (*each[1], "--set", f"corpus={tmp_path / 'missing.u16'}")
+        procs = start(url, corpus_file, ["max_steps=4"], logs=tmp_path, each=each, env=child_env(server.env()))
+        codes, errs = ended(procs, tmp_path)
+        assert codes == [2, 2], errs
+        assert errs[0].rstrip("\n").splitlines()[-1].startswith("error: process 1 stopped: "), errs[0][-3000:]
+        keys = server.keys("ended", "run/")
+        assert "run/lease.json" not in keys, keys
+    finally:
+        server.close()

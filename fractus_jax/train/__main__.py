@@ -78,7 +78,8 @@ def start_watchdog(args, argv):
     dog = peers.Watchdog(policy.runtime_client(), index, count,
                          lambda process, seconds: peer_lost_line(args, argv, process, seconds, index, count),
                          timeout=args.peer_timeout,
-                         failed=lambda process, line: peer_failed_line(argv, process, line, index, count)).start()
+                         failed=lambda process, line: peer_failed_line(argv, process, line, index, count),
+                         before_exit=store.let_leases_go).start()
     dog.hold_aborts()
     return dog
 

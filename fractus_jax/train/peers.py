@@ -10,7 +10,9 @@ PEER_TIMEOUT_SECONDS (the trainer's --peer-timeout) by this process's own clock 
 different hosts are never compared), or the store itself has not answered for as long
 (process 0, which holds the service, is gone), the watchdog prints one line naming that
 process, the last committed step and the command that resumes the run, and ends this
-process with EXIT_PEER_LOST.
+process with EXIT_PEER_LOST. Before it ends, it lets go what others would otherwise wait
+for (`before_exit`: a run on object storage's lease, so that a new pod takes the run at once),
+within LET_GO_SECONDS.
 
 JAX's client aborts a process (SIGABRT) the moment it finds the service gone; the watchdog
 holds that abort while it judges (`Watchdog.hold_aborts`), and the service's own heartbeat
@@ -46,12 +48,16 @@ PEER_TIMEOUT_SECONDS = 30.0
 MIN_PEER_TIMEOUT_SECONDS = 5 * HEARTBEAT_SECONDS
 EXIT_PEER_LOST = 3             # the exit status of a survivor
 EXIT_PEER_FAILED = 2           # ... of one whose peer stopped on an error (the peer's own status)
+# What a process ending by its watchdog lets go (`before_exit`) gets this long; a store that
+# does not answer leaves its lease to lapse.
+LET_GO_SECONDS = 2.0
 
 
 def lost_bound_seconds(timeout: float = PEER_TIMEOUT_SECONDS) -> float:
     """The bound stated to users (docs/training.md, "Faults and recovery"): the timeout, one
-    heartbeat (a peer's last counter is seen up to one late), one tick of the judge, the message."""
-    return timeout + HEARTBEAT_SECONDS + 3.0
+    heartbeat (a peer's last counter is seen up to one late), one tick of the judge, the
+    message, and the lease let go."""
+    return timeout + HEARTBEAT_SECONDS + 3.0 + LET_GO_SECONDS
 
 
 def service_heartbeat_timeout_seconds(timeout: float = PEER_TIMEOUT_SECONDS) -> int:
@@ -60,8 +66,8 @@ def service_heartbeat_timeout_seconds(timeout: float = PEER_TIMEOUT_SECONDS) -> 
     return int(4 * lost_bound_seconds(timeout))
 
 
-PEER_LOST_BOUND_SECONDS = lost_bound_seconds()                        # 35 s
-SERVICE_HEARTBEAT_TIMEOUT_SECONDS = service_heartbeat_timeout_seconds()   # 140 s
+PEER_LOST_BOUND_SECONDS = lost_bound_seconds()                        # 37 s
+SERVICE_HEARTBEAT_TIMEOUT_SECONDS = service_heartbeat_timeout_seconds()   # 148 s
 
 PREFIX = "fractus_jax/peers/"
 DONE = "done"
@@ -75,18 +81,22 @@ class Watchdog:
     message(process, seconds): the line that ends this process when `process` has not
     answered for `seconds` (called once, on the judge's thread). failed(process, line): the
     line that ends it when `process` stopped on the error `line`. timeout: the silence that
-    makes a peer lost (PEER_TIMEOUT_SECONDS; no less than MIN_PEER_TIMEOUT_SECONDS)."""
+    makes a peer lost (PEER_TIMEOUT_SECONDS; no less than MIN_PEER_TIMEOUT_SECONDS).
+    before_exit: what the process lets go before the watchdog ends it (the store's lease),
+    given LET_GO_SECONDS on a thread of its own."""
 
     def __init__(self, client, process_index: int, process_count: int,
                  message: Callable[[int, float], str], clock: Callable[[], float] = time.monotonic,
                  exit: Callable[[int], None] = os._exit, timeout: float = PEER_TIMEOUT_SECONDS,
-                 failed: Optional[Callable[[int, str], str]] = None):
+                 failed: Optional[Callable[[int, str], str]] = None,
+                 before_exit: Callable[[], None] = lambda: None):
         if timeout < MIN_PEER_TIMEOUT_SECONDS:
             raise ValueError(f"a peer timeout of {timeout} s is under {MIN_PEER_TIMEOUT_SECONDS} s "
                              "(five heartbeats): a late beat would read as a death")
         self.client, self.index, self.count = client, process_index, process_count
         self.message, self.clock, self.exit, self.timeout = message, clock, exit, timeout
         self.failed_message = failed or (lambda process, line: f"error: process {process} stopped: {line}")
+        self.before_exit = before_exit
         self.beats = 0
         self._final: Optional[str] = None   # written in place of the counter once this process fails
         self._published: Optional[float] = None   # when the store took it
@@ -198,7 +208,19 @@ class Watchdog:
         except Exception as e:   # noqa: BLE001 - the line must come out whatever happens
             line = f"error: process {process} stopped answering ({e})"
         self._say(line)
-        self.exit(EXIT_PEER_LOST)
+        self._exit(EXIT_PEER_LOST)
+
+    def _exit(self, code: int) -> None:
+        """End the process with `code`, once `before_exit` returned or LET_GO_SECONDS passed."""
+        def let_go():
+            try:
+                self.before_exit()
+            except Exception:   # noqa: BLE001 - what it held lapses by itself
+                pass
+        t = threading.Thread(target=let_go, name="fractus-let-go", daemon=True)
+        t.start()
+        t.join(LET_GO_SECONDS)
+        self.exit(code)
 
     @staticmethod
     def _say(line: str) -> None:
@@ -213,7 +235,7 @@ class Watchdog:
 
     def end_failed(self, process: int, line: str) -> None:
         self._say(self.failed_message(process, line))
-        self.exit(EXIT_PEER_FAILED)
+        self._exit(EXIT_PEER_FAILED)
 
     def fail(self, line: str, code: int, print_traceback: bool = False) -> None:
         """This process stops on its own error (`line`, printed already) and ends with `code`:
@@ -242,7 +264,7 @@ class Watchdog:
                     break
             time.sleep(0.2)
         self._say(line if self._aborted else "")   # its line last, after the client's report
-        self.exit(code)
+        self._exit(code)
 
     def settle(self) -> None:
         """After this process's run failed: return once every peer has beaten twice since (it

@@ -491,7 +491,7 @@ class Lease:
         except FileExistsError:
             self.version = self._take_over()
         self._renewed = time.monotonic()
-        _HELD.add(self.holder)
+        _HELD[self.holder] = self
         self._thread = threading.Thread(target=self._renew_loop, name="fractus-lease", daemon=True)
         self._thread.start()
         return self
@@ -605,10 +605,31 @@ class Lease:
             except Exception:   # noqa: BLE001 - a store that does not answer: the lease expires
                 pass
             self.version = None
-            _HELD.discard(self.holder)
+            _HELD.pop(self.holder, None)
+
+    def let_go(self) -> None:
+        """Release, as this process ends outside the run's close (its watchdog ends it): first
+        marked lost, so that an upload still running commits nothing after it. Called with
+        a bound on its time: the renewal thread is not waited for."""
+        self._stop.set()
+        with self._lock:
+            if self.lost or self.version is None:
+                return
+            self.lost, version = "this process is ending", self.version
+            if self.store.version(LEASE) == version:
+                self.store.delete(LEASE)
+            _HELD.pop(self.holder, None)
 
 
-_HELD: set[str] = set()   # the holders of the leases this process holds
+_HELD: dict[str, Lease] = {}   # the leases this process holds, by holder
+
+
+def let_leases_go() -> None:
+    """The leases this process holds, let go as its watchdog ends it (a peer died, or stopped
+    on an error): a new pod's start then takes the run at once, not after LEASE_SECONDS. A
+    store that does not answer leaves them to lapse (the caller bounds the time)."""
+    for lease in list(_HELD.values()):
+        lease.let_go()
 
 
 def _machine() -> str:
