@@ -8,6 +8,7 @@ lease admits one writer; a missing bucket, a URL that cannot be served and a sto
 conditional writes are refused before any step."""
 import argparse
 import collections
+import hashlib
 import json
 import os
 import re
@@ -434,13 +435,23 @@ def test_a_reader_refuses_a_step_whose_files_differ_from_its_commit(s3, bucket, 
         store.readable(f"s3://{bucket}/checkpoints/2")   # a run at the bucket's root
 
 
+def checksums_json(bodies: dict[str, bytes]) -> bytes:
+    """The checksums.json of a step of these files ("item/name": its bytes)."""
+    items = collections.defaultdict(dict)
+    for name, body in bodies.items():
+        item, _, path = name.partition("/")
+        items[item][path] = hashlib.sha256(body).hexdigest()
+    return json.dumps({"items": items}).encode()
+
+
 def test_a_step_another_command_reads_stays_in_the_read_cache(s3, bucket, tmp_path, monkeypatch):
     """Two commands read one run through the cache of one machine. Fetching the rest of a step
     the other reads leaves the files it reads in their place; a step the store has dropped stays
     in the cache while the other reads it, and goes once it has ended."""
     monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
     client = s3.client()
-    step_files = {"checksums.json": b"{}", "params/a": b"w" * 64, "opt_state/b": b"m" * 128}
+    step_files = {"params/a": b"w" * 64, "opt_state/b": b"m" * 128}
+    step_files["checksums.json"] = checksums_json(step_files)
     for step in (2, 4):
         for name, body in step_files.items():
             client.put_object(Bucket=bucket, Key=f"run/checkpoints/{step}/{name}", Body=body)
@@ -480,6 +491,54 @@ def test_a_step_another_command_reads_stays_in_the_read_cache(s3, bucket, tmp_pa
     assert other.returncode == 0
     store.readable(url, log=logs.append)
     assert not read[0].exists() and read[1].is_dir()
+
+
+@pytest.mark.parametrize("damage", ["a weights file", "checksums.json", "the moments, not read"])
+def test_a_cached_step_damaged_on_disk_is_fetched_again_and_hashed_once(damage, s3, bucket, tmp_path, monkeypatch):
+    """A step the read cache holds is checked as a command reads it: a weights file that no
+    longer matches its checksum (a byte flipped, its size kept), or a checksums.json that no
+    longer reads, and the step is fetched again from the store, with a note, instead of the
+    command refusing it (--step) or falling back to an older step. Files it does not read
+    (the moments, for eval) are not checked. The items checked are not hashed again by the
+    command's own check, and those fetched are hashed once, by it."""
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    client = s3.client()
+    bodies = {"params/a": b"w" * 64, "extra/c": b"c" * 32, "opt_state/b": b"m" * 128}
+    bodies["checksums.json"] = checksums_json(bodies)
+    for name, body in bodies.items():
+        client.put_object(Bucket=bucket, Key=f"run/checkpoints/2/{name}", Body=body)
+    client.put_object(Bucket=bucket, Key=f"run/checkpoints/2/{store.COMMITTED}", Body=json.dumps(
+        {"step": 2, "files": {n: len(b) for n, b in bodies.items()}}).encode())
+    url = f"s3://{bucket}/run/checkpoints/2"
+    step_dir = Path(store.readable(url, log=lambda m: None))   # the whole step in the cache
+    store.done_reading()
+    name = {"a weights file": "params/a", "checksums.json": "checksums.json", "the moments, not read": "opt_state/b"}
+    target = step_dir / name[damage]
+    target.write_bytes(b"x" * target.stat().st_size)
+    hashed = []
+    real = ckpt_lib._file_sha256
+    monkeypatch.setattr(ckpt_lib, "_file_sha256", lambda path: hashed.append(Path(path).name) or real(path))
+    logs = []
+    assert Path(store.readable(url, log=logs.append, items=("params", "extra"))) == step_dir
+    refetched = damage != "the moments, not read"
+    notes = [line for line in logs if line.startswith("note:")]
+    assert len(notes) == refetched, logs
+    if refetched:
+        why = ("params failed its checksum (a differs)" if damage == "a weights file" else
+               "its checksums.json does not read")
+        assert notes[0] == (f"note: the read cache's copy of step 2 of s3://{bucket}/run is not the one committed "
+                            f"({why}); fetching it again ({step_dir})"), logs
+        assert sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()) == [
+            "checksums.json", "extra/c", "params/a"]   # fetched anew, for the items read
+    assert all((step_dir / n).read_bytes() == bodies[n] for n in ("checksums.json", "params/a", "extra/c"))
+    # the cache's check: the items read, up to the first that fails
+    assert sorted(hashed) == {"a weights file": ["a"], "checksums.json": []}.get(damage, ["a", "c"]), hashed
+    hashed.clear()
+    assert ckpt_lib.check_files(step_dir, ("params", "extra")) == ("ok", None)   # the command's check
+    assert sorted(hashed) == (["a", "c"] if refetched else []), hashed   # each file hashed once in all
+    hashed.clear()
+    assert ckpt_lib.check_files(step_dir, ("params", "extra")) == ("ok", None)   # a later check hashes again
+    assert sorted(hashed) == ["a", "c"], hashed
 
 
 def test_the_read_cache_keeps_the_steps_read_last(s3, bucket, tmp_path, monkeypatch):
@@ -1064,15 +1123,28 @@ def test_the_commands_train_on_a_url_resume_it_and_read_it(served, corpus_file, 
     # The reading commands read the URL (fetched into the read cache) as they read the stage.
     monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
     stage = tmp_path / "b"   # holds step 6, the step it saved last; pod A's stage, step 4
+    scores = {}
     for argv, staged in ((["--ids", "512", "--json"], stage), (["--step", "4", "--ids", "512", "--json"], tmp_path / "a")):
         argv = [*argv, "--corpus", str(corpus_file)]
         assert eval_cli(["--ckpt", url, *argv, "--no-progress"]) == 0
         from_url = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        scores[from_url["step"]] = from_url["nats"]
         assert eval_cli(["--ckpt", str(staged), *argv, "--no-progress"]) == 0
         from_stage = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert from_url["step"] == from_stage["step"] == (4 if "--step" in argv else 6)
         assert from_url["nats"] == from_stage["nats"] and from_url["n_ids"] == from_stage["n_ids"] > 0
         assert from_url["ckpt"] == url and from_stage["ckpt"] == str(staged)   # named as given, not the cache
+    # a weights file of the cache's step 6 damaged on this disk (its size kept): fetched again
+    cached = next((tmp_path / "cache" / "read").rglob(rundir.CHECKPOINTS))
+    weights = max((p for p in (cached / "6" / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert eval_cli(["--ckpt", url, "--step", "6", "--ids", "512", "--json", "--corpus", str(corpus_file),
+                     "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert "is not the one committed (params failed its checksum" in out.err and "pulling step 6" in out.err, out.err
+    assert json.loads(out.out.strip().splitlines()[-1])["nats"] == scores[6]
     gen = ["--prompt", "def main(", "--max-new", "8", "--json"]
     assert generate_cli(["--ckpt", f"{url}/checkpoints/4", *gen]) == 0
     from_url = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -1089,7 +1161,6 @@ def test_the_commands_train_on_a_url_resume_it_and_read_it(served, corpus_file, 
     assert a.keys() == b.keys() and a["step"] == b["step"] == 6
     assert all(torch.equal(a["model_state"][k], b["model_state"][k]) for k in b["model_state"])
     # those read the weights alone: the moments stayed in the store
-    cached = next((tmp_path / "cache" / "read").rglob(rundir.CHECKPOINTS))
     items = lambda step: {p.name for p in (cached / str(step)).iterdir() if p.is_dir()}  # noqa: E731
     assert items(4) == items(6) == set(ckpt_lib.WEIGHTS_ITEMS)
     assert {p.name for p in (stage / "checkpoints" / "6").iterdir() if p.is_dir()} == set(ckpt_lib.ITEMS)

@@ -160,17 +160,32 @@ def read_checksums(step_dir: Path) -> Optional[dict]:
     return record if isinstance(record, dict) and isinstance(record.get("items"), dict) else None
 
 
+# The items of steps this process has just checked against their checksums, each step under
+# a read lock that no other command removes it under (a read cache's step, `store.readable`):
+# the next check_files of the step takes them as checked rather than hash them again (4 GB of
+# weights for atom_1b). {resolved step dir: items}, each used once.
+_verified: dict[str, frozenset] = {}
+
+
+def verified(step_dir: Path, items) -> None:
+    """The next check_files of step_dir (and only the next) takes these items as checked;
+    no items: none (this process is about to check it itself)."""
+    _verified[str(Path(step_dir).resolve())] = frozenset(items)
+
+
 def check_files(step_dir: Path, items=None, absent=frozenset()) -> tuple[str, Optional[str]]:
     """("ok" | "unchecked" | "bad", why): a step's files against its checksums.json; of the
     items named only (a reader that fetched those alone), or of every item. absent: files
     ("item/path") the directory may lack (a process's pull of a step in part: the shards
-    other processes read), checked where it holds them.
+    other processes read), checked where it holds them. Items this process has just checked
+    (`verified`) are not hashed again.
     "unchecked": no (readable) record, as for a save cut before it wrote one or an older run."""
+    done = _verified.pop(str(Path(step_dir).resolve()), frozenset())
     record = read_checksums(step_dir)
     if record is None:
         return "unchecked", None
     for item, files in record["items"].items():
-        if items is not None and item not in items:
+        if (items is not None and item not in items) or item in done:
             continue
         item_dir = step_dir / item
         if not item_dir.is_dir():

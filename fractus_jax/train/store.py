@@ -1143,11 +1143,11 @@ def chunk_names(zarray: dict, indices) -> set[str]:
     return names
 
 
-def _differs_from_commit(step_dir: Path, files: dict[str, int], absent=frozenset()) -> Optional[str]:
+def _differs_from_commit(step_dir: Path, files: dict[str, int], absent=frozenset(), items=None) -> Optional[str]:
     """How a step's files differ from those committed (`files`, the commit's sizes, checksums.json
     among them): a file that fails its checksum, or a checksums.json that does not read; None
-    when they match. absent: as for `checkpoint.check_files`."""
-    status, why = ckpt_lib.check_files(step_dir, absent=absent)
+    when they match. absent, items: as for `checkpoint.check_files`."""
+    status, why = ckpt_lib.check_files(step_dir, items, absent)
     if status == "unchecked" and ckpt_lib.CHECKSUMS in files:
         return f"its {ckpt_lib.CHECKSUMS} does not read"
     return why if status == "bad" else None
@@ -1230,6 +1230,12 @@ def _read_lock(path: Path) -> None:
     os.utime(path, ns=(now, now))
 
 
+def _read_unlock(path: Path) -> None:
+    fd = _read_locks.pop(str(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def done_reading() -> None:
     """The steps this process read from the read cache may leave it (a process that reads one
     step after another: each held until it ends otherwise)."""
@@ -1279,6 +1285,9 @@ def readable(value: str, step: Optional[int] = None, log: Log = print, items=Non
     `checkpoint.WEIGHTS_ITEMS`), fetched with the step's own files and no others; None: all.
     Takes no lease: a committed step's files never change. A cached step only gains files, and
     stays in the cache while a command reads it (`READING`), also once the store has dropped it.
+    The files of the items read that the cache holds already are checked against their
+    checksums (`checkpoint.verified`: the command's own check does not hash them again); a
+    step that fails is fetched again.
     Returns the local path to read; CheckpointError when the store cannot serve it."""
     if scheme_of(value) is None:
         return value
@@ -1313,15 +1322,36 @@ def readable(value: str, step: Optional[int] = None, log: Log = print, items=Non
             if not removed and int(p.name) == want:
                 raise CheckpointError(f"the read cache's step {want} of {url} ({p}) differs from the store's, "
                                       "and another command reads it: run this one again once it ends")
-        _read_lock(local / READING / str(want))
+        lock = local / READING / str(want)
+        _read_lock(lock)
         _evict(local, want, log)
         files = steps[want]["files"]
         needed = {n: size for n, size in files.items()
                   if items is None or "/" not in n or n.split("/", 1)[0] in items}
         step_dir = checkpoints / str(want)
         held = _step_files(step_dir) if step_dir.is_dir() else {}
+        whole = set()   # the items read whose files the cache held already, and found sound
+        if held:   # checked, as it is read: a file damaged on this disk since it came is fetched again
+            kinds = {n.split("/", 1)[0] for n in needed if "/" in n}
+            check = {k for k in kinds if any(n.startswith(k + "/") for n in held)}
+            absent = set(needed) - set(held)
+            ckpt_lib.verified(step_dir, ())
+            why = _differs_from_commit(step_dir, files, frozenset(absent), check)
+            if why is None:
+                whole = {k for k in check if not any(n.startswith(k + "/") for n in absent)}
+            else:
+                log(f"note: the read cache's copy of step {want} of {url} is not the one committed ({why}); "
+                    f"fetching it again ({step_dir})")
+                _read_unlock(lock)
+                if not _remove_unread(step_dir, lock):
+                    raise CheckpointError(f"the read cache's copy of step {want} of {url} ({step_dir}) is not the "
+                                          f"one committed ({why}), and another command reads it: run this one "
+                                          "again once it ends")
+                _read_lock(lock)
+                held = {}
         if set(needed) - set(held):
             fetch_step(src, want, {**held, **needed}, checkpoints, log)
+        ckpt_lib.verified(step_dir, whole)   # the command's own check hashes the rest only
         if src.exists(MANIFEST):
             rundir.write_text_atomic(local / MANIFEST, src.read(MANIFEST).decode())
     except CheckpointError:
