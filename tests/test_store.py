@@ -541,6 +541,37 @@ def test_a_cached_step_damaged_on_disk_is_fetched_again_and_hashed_once(damage, 
     assert sorted(hashed) == ["a", "c"], hashed
 
 
+def test_a_damaged_cached_step_another_command_reads_is_left_to_it(s3, bucket, tmp_path, monkeypatch):
+    """A cached step found damaged while another command reads it is not removed under that
+    command: this one stops with one line, and once the other has ended it fetches the step."""
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    client = s3.client()
+    bodies = {"params/a": b"w" * 64}
+    bodies["checksums.json"] = checksums_json(bodies)
+    for name, body in bodies.items():
+        client.put_object(Bucket=bucket, Key=f"run/checkpoints/2/{name}", Body=body)
+    client.put_object(Bucket=bucket, Key=f"run/checkpoints/2/{store.COMMITTED}", Body=json.dumps(
+        {"step": 2, "files": {n: len(b) for n, b in bodies.items()}}).encode())
+    url = f"s3://{bucket}/run"
+    other = subprocess.Popen(   # reads step 2, and goes on until its stdin ends
+        [sys.executable, "-c", "import sys\nfrom fractus_jax.train import store\n"
+         f"print(store.readable({url!r}, log=lambda m: None), flush=True)\nsys.stdin.read()"],
+        env=child_env(s3.env()), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        weights = Path(other.stdout.readline().strip()) / "checkpoints" / "2" / "params" / "a"
+        weights.write_bytes(b"x" * 64)
+        with pytest.raises(rundir.CheckpointError, match=r"the read cache's copy of step 2 of .* is not the one "
+                           r"committed \(params failed its checksum \(a differs\)\), and another command reads it: "
+                           "run this one again once it ends"):
+            store.readable(url, log=lambda m: None)
+        assert weights.read_bytes() == b"x" * 64   # left to the other
+    finally:
+        other.communicate(timeout=60)
+    assert other.returncode == 0
+    store.readable(url, log=lambda m: None)
+    assert weights.read_bytes() == bodies["params/a"]
+
+
 def test_the_read_cache_keeps_the_steps_read_last(s3, bucket, tmp_path, monkeypatch):
     """Reading step after step of a run keeps the READ_CACHE_STEPS steps read last in the
     cache, and a step a command still reads besides."""
