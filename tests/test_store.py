@@ -435,13 +435,19 @@ def test_a_reader_refuses_a_step_whose_files_differ_from_its_commit(s3, bucket, 
         store.readable(f"s3://{bucket}/checkpoints/2")   # a run at the bucket's root
 
 
-def checksums_json(bodies: dict[str, bytes]) -> bytes:
-    """The checksums.json of a step of these files ("item/name": its bytes)."""
+def put_committed_step(client, bucket, step: int, bodies: dict[str, bytes]) -> dict[str, bytes]:
+    """A step of these files ("item/name": its bytes) in the store at run/checkpoints/<step>,
+    with its checksums.json and committed.json; returns its files, checksums.json among them."""
     items = collections.defaultdict(dict)
     for name, body in bodies.items():
         item, _, path = name.partition("/")
         items[item][path] = hashlib.sha256(body).hexdigest()
-    return json.dumps({"items": items}).encode()
+    bodies = {**bodies, "checksums.json": json.dumps({"items": items}).encode()}
+    for name, body in bodies.items():
+        client.put_object(Bucket=bucket, Key=f"run/checkpoints/{step}/{name}", Body=body)
+    client.put_object(Bucket=bucket, Key=f"run/checkpoints/{step}/{store.COMMITTED}", Body=json.dumps(
+        {"step": step, "files": {n: len(b) for n, b in bodies.items()}}).encode())
+    return bodies
 
 
 def test_a_step_another_command_reads_stays_in_the_read_cache(s3, bucket, tmp_path, monkeypatch):
@@ -450,13 +456,8 @@ def test_a_step_another_command_reads_stays_in_the_read_cache(s3, bucket, tmp_pa
     in the cache while the other reads it, and goes once it has ended."""
     monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
     client = s3.client()
-    step_files = {"params/a": b"w" * 64, "opt_state/b": b"m" * 128}
-    step_files["checksums.json"] = checksums_json(step_files)
     for step in (2, 4):
-        for name, body in step_files.items():
-            client.put_object(Bucket=bucket, Key=f"run/checkpoints/{step}/{name}", Body=body)
-        client.put_object(Bucket=bucket, Key=f"run/checkpoints/{step}/{store.COMMITTED}", Body=json.dumps(
-            {"step": step, "files": {n: len(b) for n, b in step_files.items()}}).encode())
+        step_files = put_committed_step(client, bucket, step, {"params/a": b"w" * 64, "opt_state/b": b"m" * 128})
     url = f"s3://{bucket}/run"
     other = subprocess.Popen(   # reads the weights of steps 2 and 4, and goes on until its stdin ends
         [sys.executable, "-c", "import sys\nfrom fractus_jax.train import store\n"
@@ -503,12 +504,8 @@ def test_a_cached_step_damaged_on_disk_is_fetched_again_and_hashed_once(damage, 
     command's own check, and those fetched are hashed once, by it."""
     monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
     client = s3.client()
-    bodies = {"params/a": b"w" * 64, "extra/c": b"c" * 32, "opt_state/b": b"m" * 128}
-    bodies["checksums.json"] = checksums_json(bodies)
-    for name, body in bodies.items():
-        client.put_object(Bucket=bucket, Key=f"run/checkpoints/2/{name}", Body=body)
-    client.put_object(Bucket=bucket, Key=f"run/checkpoints/2/{store.COMMITTED}", Body=json.dumps(
-        {"step": 2, "files": {n: len(b) for n, b in bodies.items()}}).encode())
+    bodies = put_committed_step(client, bucket, 2, {"params/a": b"w" * 64, "extra/c": b"c" * 32,
+                                                    "opt_state/b": b"m" * 128})
     url = f"s3://{bucket}/run/checkpoints/2"
     step_dir = Path(store.readable(url, log=lambda m: None))   # the whole step in the cache
     store.done_reading()
@@ -546,12 +543,7 @@ def test_a_damaged_cached_step_another_command_reads_is_left_to_it(s3, bucket, t
     command: this one stops with one line, and once the other has ended it fetches the step."""
     monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
     client = s3.client()
-    bodies = {"params/a": b"w" * 64}
-    bodies["checksums.json"] = checksums_json(bodies)
-    for name, body in bodies.items():
-        client.put_object(Bucket=bucket, Key=f"run/checkpoints/2/{name}", Body=body)
-    client.put_object(Bucket=bucket, Key=f"run/checkpoints/2/{store.COMMITTED}", Body=json.dumps(
-        {"step": 2, "files": {n: len(b) for n, b in bodies.items()}}).encode())
+    bodies = put_committed_step(client, bucket, 2, {"params/a": b"w" * 64})
     url = f"s3://{bucket}/run"
     other = subprocess.Popen(   # reads step 2, and goes on until its stdin ends
         [sys.executable, "-c", "import sys\nfrom fractus_jax.train import store\n"
