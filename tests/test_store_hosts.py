@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -158,22 +159,41 @@ def test_a_shard_only_one_process_reads_fails_the_step_on_both(corpus_file, tmp_
         server.close()
 
 
-def test_a_process_ended_by_a_peers_error_lets_the_lease_go(corpus_file, tmp_path):
-    """Process 1's host lacks the corpus: it stops on that error, and process 0, which holds
-    the run's lease, is ended by its watchdog (exit 2, no `finally` of the run): it lets the
-    lease go first, so that the run, started again on another pod, is taken at once rather
-    than after the lease lapses (LEASE_SECONDS)."""
+@pytest.mark.parametrize("how", ["error", "kill"])
+def test_a_process_ended_by_its_watchdog_lets_the_lease_go(how, corpus_file, tmp_path):
+    """Process 0, which holds the run's lease, is ended by its watchdog (no `finally` of the
+    run): process 1's host lacks the corpus and it stops on that error (process 0: exit 2),
+    or process 1 is killed (kill -9) after a committed step (process 0: exit 3). Process 0
+    lets the lease go first, so that the run, started again on another pod, is taken at once
+    rather than after the lease lapses (LEASE_SECONDS)."""
+    from fractus_jax.train import peers
     from test_multihost_faults import ended, start
 
     server = S3Server()
     try:
         url = f"s3://{server.bucket('ended')}/run"
         each = stages(tmp_path, "a")
-        each[1] = (*each[1], "--set", f"corpus={tmp_path / 'missing.u16'}")
-        procs = start(url, corpus_file, ["max_steps=4"], logs=tmp_path, each=each, env=child_env(server.env()))
+        if how == "error":
+            each[1] = (*each[1], "--set", f"corpus={tmp_path / 'missing.u16'}")
+            overrides, args = ["max_steps=4"], ()
+        else:
+            overrides = ["max_steps=100000", "save_every=2"]
+            args = ("--peer-timeout", str(peers.MIN_PEER_TIMEOUT_SECONDS))
+        procs = start(url, corpus_file, overrides, logs=tmp_path, each=each, args=args, env=child_env(server.env()))
+        if how == "kill":
+            t0 = time.time()
+            while "run/checkpoints/2/committed.json" not in server.keys("ended", "run/"):
+                assert time.time() - t0 < 400 and all(p.poll() is None for p in procs), \
+                    (tmp_path / "err0.txt").read_text()[-3000:] + (tmp_path / "err1.txt").read_text()[-3000:]
+                time.sleep(0.5)
+            procs[1].kill()
         codes, errs = ended(procs, tmp_path)
-        assert codes == [2, 2], errs
-        assert errs[0].rstrip("\n").splitlines()[-1].startswith("error: process 1 stopped: "), errs[0][-3000:]
+        if how == "error":
+            assert codes == [2, 2], errs
+            assert errs[0].rstrip("\n").splitlines()[-1].startswith("error: process 1 stopped: "), errs[0][-3000:]
+        else:
+            assert codes[0] == peers.EXIT_PEER_LOST, errs[0][-3000:]
+            assert errs[0].rstrip("\n").splitlines()[-1].startswith("error: process 1 stopped answering"), errs[0]
         keys = server.keys("ended", "run/")
         assert "run/lease.json" not in keys, keys
     finally:
