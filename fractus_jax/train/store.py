@@ -594,30 +594,24 @@ class Lease:
         if self.lost:
             raise RunDirBusy(f"{self.store.url}: {self.lost}; this process commits nothing more")
 
-    def release(self) -> None:
+    def release(self, ending: bool = False) -> None:
+        """Delete the lease where it is still this holder's. ending: this process ends outside
+        the run's close (its watchdog ends it, with a bound on the time): the renewal thread is
+        not waited for, and the lease is marked lost first, so that an upload still running
+        commits nothing after it."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and not ending:
             self._thread.join()
         with self._lock:
+            version = None if self.lost else self.version
+            if ending and not self.lost:
+                self.lost = "this process is ending"
             try:
-                if self.version is not None and not self.lost and self.store.version(LEASE) == self.version:
+                if version is not None and self.store.version(LEASE) == version:
                     self.store.delete(LEASE)
             except Exception:   # noqa: BLE001 - a store that does not answer: the lease expires
                 pass
             self.version = None
-            _HELD.pop(self.holder, None)
-
-    def let_go(self) -> None:
-        """Release, as this process ends outside the run's close (its watchdog ends it): first
-        marked lost, so that an upload still running commits nothing after it. Called with
-        a bound on its time: the renewal thread is not waited for."""
-        self._stop.set()
-        with self._lock:
-            if self.lost or self.version is None:
-                return
-            self.lost, version = "this process is ending", self.version
-            if self.store.version(LEASE) == version:
-                self.store.delete(LEASE)
             _HELD.pop(self.holder, None)
 
 
@@ -629,7 +623,7 @@ def let_leases_go() -> None:
     on an error): a new pod's start then takes the run at once, not after LEASE_SECONDS. A
     store that does not answer leaves them to lapse (the caller bounds the time)."""
     for lease in list(_HELD.values()):
-        lease.let_go()
+        lease.release(ending=True)
 
 
 def _machine() -> str:
