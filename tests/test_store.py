@@ -8,6 +8,7 @@ lease admits one writer; a missing bucket, a URL that cannot be served and a sto
 conditional writes are refused before any step."""
 import argparse
 import collections
+import errno
 import hashlib
 import json
 import os
@@ -72,13 +73,19 @@ def served(request, monkeypatch):
     return server, f"{request.param}://{name}/run"
 
 
-def train_url(cfg, url, stage):
-    """(last metrics, log lines) of the trainer on a URL's run staged in `stage`, in this process."""
+def train_url(cfg, url, stage, watch=None):
+    """(last metrics, log lines) of the trainer on a URL's run staged in `stage`, in this process;
+    watch: called with each line as it is logged."""
     logs = []
-    mirror = store.open_mirror(url, stage, log=logs.append)
+
+    def log(line):
+        logs.append(line)
+        if watch is not None:
+            watch(line)
+
+    mirror = store.open_mirror(url, stage, log=log)
     try:
-        last = loop.run(prepare_lib.prepare(cfg, stage, progress=False), progress=False, log=logs.append,
-                        mirror=mirror)
+        last = loop.run(prepare_lib.prepare(cfg, stage, progress=False), progress=False, log=log, mirror=mirror)
     finally:
         mirror.close(quiet=True)
     return last, logs
@@ -301,11 +308,27 @@ def test_the_lease_admits_one_writer(served, monkeypatch):
     third.renew()
     third.check()
     assert third.version == run.version(store.LEASE)
-    # a holder that could not renew for LEASE_TRUST_SECONDS commits no more
+    # a holder that could not renew for LEASE_TRUST_SECONDS commits nothing until a renewal
+    # goes through, which it does while the lease is still the one it wrote ...
     third._renewed -= store.LEASE_TRUST_SECONDS + 1
-    with pytest.raises(rundir.RunDirBusy, match=r"the lease was not renewed for \d+ s"):
-        third.check()
+    for _ in range(2):
+        with pytest.raises(rundir.RunDirBusy, match=r"the lease was not renewed for \d+ s .* this process commits "
+                                                    "nothing until a renewal goes through"):
+            third.check()
+    assert third.lost is None
+    third.check(renew=True)
+    third.check()
+    assert third.version == run.version(store.LEASE)
+    # ... and fails once another process took it meanwhile: the lease is lost
+    third._renewed -= store.LEASE_TRUST_SECONDS + 1
+    run.write(b'{"holder": "other", "host": "elsewhere", "pid": 1, "expires": 1e12}', store.LEASE)
+    with pytest.raises(rundir.RunDirBusy, match="another process took the lease .*; this process commits nothing more"):
+        third.check(renew=True)
+    with pytest.raises(rundir.RunDirBusy, match="another process took the lease"):
+        third.check(renew=True)
     third.release()
+    assert json.loads(run.read(store.LEASE))["holder"] == "other"
+    run.delete(store.LEASE)
 
 
 def test_a_lease_let_go_as_the_process_ends_is_taken_at_once_and_commits_nothing_more(served):
@@ -395,6 +418,7 @@ def test_a_step_of_several_processes_is_committed_only_when_every_part_is_in_the
     process 1 once PARTS_WAIT_SECONDS pass; with it there, the step is committed."""
     monkeypatch.setattr(store, "PARTS_WAIT_SECONDS", 1.0)
     monkeypatch.setattr(store, "PARTS_POLL_SECONDS", 0.1)
+    monkeypatch.setattr(store, "UPLOAD_TRIES_SECONDS", 0.0)   # the failure, not tried again
     url = f"s3://{bucket}/run"
     mirror = store.Mirror(url, tmp_path / "stage-0", lambda m: None, index=0, count=2).open()
     run = store.Store(url)
@@ -415,6 +439,48 @@ def test_a_step_of_several_processes_is_committed_only_when_every_part_is_in_the
         run.write(b"1" * 7, store.CHECKPOINTS, "2", "theirs")   # process 1's upload, whole
         mirror.push(2, parts)
         mirror.settle()
+        assert store_steps(s3, bucket, "run") == [2]
+        assert json.loads(run.read(store.CHECKPOINTS, "2", store.COMMITTED))["files"] == {"mine": 10, "theirs": 7}
+    finally:
+        mirror.close(quiet=True)
+
+
+def test_a_step_whose_other_parts_come_late_is_committed_on_a_later_try(s3, bucket, tmp_path, monkeypatch):
+    """Process 1's file of step 2 reaches the store after process 0's wait for it ended: process
+    0's upload is tried again, without sending its own file again, and commits the step."""
+    monkeypatch.setattr(store, "PARTS_WAIT_SECONDS", 1.0)
+    monkeypatch.setattr(store, "PARTS_POLL_SECONDS", 0.1)
+    monkeypatch.setattr(store, "UPLOAD_WAITS", (0.2,))
+    monkeypatch.setattr(store, "UPLOAD_TRIES_SECONDS", 60.0)
+    url = f"s3://{bucket}/run"
+    notes = []
+    run = store.Store(url)
+    sent = []
+    put = store.Store.put
+
+    def count_put(self, local, remote, transfer=None):
+        sent.extend(remote)
+        return put(self, local, remote, transfer)
+
+    def theirs_once_said(line):   # process 1's upload, whole, after process 0's first try failed
+        notes.append(line)
+        if line.startswith("warning: the upload of step 2"):
+            run.write(b"1" * 7, store.CHECKPOINTS, "2", "theirs")
+
+    monkeypatch.setattr(store.Store, "put", count_put)
+    mirror = store.Mirror(url, tmp_path / "stage-0", theirs_once_said, index=0, count=2).open()
+    try:
+        step_dir = tmp_path / "stage-0" / store.CHECKPOINTS / "2"
+        step_dir.mkdir(parents=True)
+        (step_dir / "mine").write_bytes(b"0" * 10)
+        mirror.push(2, {"mine": (10, 0), "theirs": (7, 1)})
+        mirror.settle()
+        assert [n for n in notes if "upload" in n] == [
+            f"warning: the upload of step 2 to {url} failed (TimeoutError: process(es) 1 did not upload their files "
+            "of it within 1 s (1 missing, e.g. theirs)); trying again in 0.2 s while training goes on (it stops the "
+            "run if it still fails 60 s from now)",
+            f"note: step 2 is uploaded to {url} (try 2)"], notes
+        assert sent == [f"{store.CHECKPOINTS}/2/mine"]
         assert store_steps(s3, bucket, "run") == [2]
         assert json.loads(run.read(store.CHECKPOINTS, "2", store.COMMITTED))["files"] == {"mine": 10, "theirs": 7}
     finally:
@@ -742,9 +808,9 @@ def test_a_run_with_a_slow_store_stops_committed_before_its_deadline(s3, bucket,
     deadline, and the store holds that step."""
     real = store.Mirror._upload_step
 
-    def slow(self, step, parts=None):
+    def slow(self, step, parts=None, done=None):
         time.sleep(2.0)
-        return real(self, step, parts)
+        return real(self, step, parts, done)
 
     monkeypatch.setattr(store.Mirror, "_upload_step", slow)
     deadline = time.time() + 45
@@ -766,9 +832,9 @@ def test_a_slow_upload_is_not_pruned_under_it(s3, bucket, corpus_file, tmp_path,
     commits = []
     write_commit = store.write_commit
 
-    def slow(self, step, parts=None):
+    def slow(self, step, parts=None, done=None):
         time.sleep(1.0)
-        return real(self, step, parts)
+        return real(self, step, parts, done)
 
     def record(s, step, files):
         commits.append((step, files))
@@ -894,15 +960,18 @@ def ended(seconds, fn):
 @pytest.mark.parametrize("how", ["cut", "stall"])
 def test_a_store_cut_inside_an_upload_loses_nothing_committed(how, served, straight, tmp_path, monkeypatch):
     """The store stops as step 4's files are sent, closing its connections (cut) or holding
-    them and answering nothing (stall, bounded by the clients' read timeout): the run stops
-    saying what failed and which step the store holds; with the store back, the same URL
-    resumes to the same state."""
+    them and answering nothing (stall, bounded by the clients' read timeout), and stays down:
+    the upload is tried again until UPLOAD_TRIES_SECONDS pass, then the run stops saying what
+    failed and which step the store holds; with the store back, the same URL resumes to the
+    same state."""
     cfg6, straight_dir = straight
     s3, url = served   # either kind of store
     bucket = url.split("/")[2]
     relay = Relay(s3.port)
     set_env(monkeypatch, s3.env(relay.endpoint))
     monkeypatch.setattr(store, "READ_SECONDS", 1.0)
+    monkeypatch.setattr(store, "UPLOAD_WAITS", (0.2,))
+    monkeypatch.setattr(store, "UPLOAD_TRIES_SECONDS", 0.5)
     real = store.Store.put
 
     def stop_at_4(self, local, remote, transfer=None):   # as the first file of step 4 is sent
@@ -914,6 +983,7 @@ def test_a_store_cut_inside_an_upload_loses_nothing_committed(how, served, strai
     with pytest.raises(rundir.RunDirIOError) as e:
         ended(600, lambda: train_url(cfg6, url, tmp_path / "pod-a"))
     assert str(e.value).startswith(f"cannot upload step 4 to {url}/checkpoints/4: ")
+    assert re.search(r" \(tried [2-9] times over \d+ s\); ", str(e.value)), e.value
     assert str(e.value).endswith(f"; {url} holds step 2 (the same command resumes from it)")
     if how == "stall":
         assert ("Read timeout on endpoint URL" in str(e.value) if url.startswith("s3") else
@@ -926,6 +996,85 @@ def test_a_store_cut_inside_an_upload_loses_nothing_committed(how, served, strai
     assert f"resumed {stage} at step 2, lane offset {2 * cfg6.seq_len}" in logs, logs
     assert_same_state(straight_dir, stage, cfg6)
     assert store_steps(s3, bucket, "run") == [2, 4, 6] and stage_steps(stage) == [6]
+
+
+def test_a_store_down_for_a_while_inside_an_upload_costs_the_run_nothing(served, straight, tmp_path, monkeypatch):
+    """The store stops as step 4's files are sent, and is back once the run has said so: the
+    upload is tried again while training goes on, and the run ends at step 6 as one never
+    interrupted, its three steps committed in the store and its lease let go."""
+    cfg6, straight_dir = straight
+    s3, url = served   # either kind of store
+    bucket = url.split("/")[2]
+    relay = Relay(s3.port)
+    set_env(monkeypatch, s3.env(relay.endpoint))
+    monkeypatch.setattr(store, "READ_SECONDS", 1.0)
+    monkeypatch.setattr(store, "UPLOAD_WAITS", (0.5,))
+    monkeypatch.setattr(store, "UPLOAD_TRIES_SECONDS", 300.0)
+    real = store.Store.put
+    cuts = []
+
+    def stop_at_4(self, local, remote, transfer=None):   # the first time step 4's files are sent
+        if not cuts and any(r.startswith(f"{store.CHECKPOINTS}/4/") for r in remote):
+            cuts.append(remote)
+            relay.cut()
+        return real(self, local, remote, transfer)
+
+    def back_once_said(line):
+        if line.startswith(f"warning: the upload of step 4 to {url} failed (") and cuts == [cuts[0]]:
+            cuts.append("restored")
+            relay.restore()
+
+    monkeypatch.setattr(store.Store, "put", stop_at_4)
+    stage = tmp_path / "pod-a"
+    last, logs = ended(600, lambda: train_url(cfg6, url, stage, watch=back_once_said))
+    said = [line for line in logs if line.startswith("warning: the upload")]
+    assert len(said) == 1 and re.fullmatch(
+        rf"warning: the upload of step 4 to {re.escape(url)} failed \(.+\); trying again in 0\.5 s while training "
+        r"goes on \(it stops the run if it still fails (29\d|300) s from now\)", said[0]), logs
+    assert f"note: step 4 is uploaded to {url} (try 2)" in logs, logs
+    assert last["step"] == 6
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == [2, 4, 6] and stage_steps(stage) == [6]
+    assert [strict(x)["step"] for x in s3.read(bucket, "run/metrics.jsonl").decode().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert "run/lease.json" not in s3.keys(bucket, "run/")
+
+
+def test_an_upload_tried_again_goes_on_from_where_it_stopped(s3, bucket, straight, tmp_path, monkeypatch):
+    """Step 4's upload fails once its commit is written (the manifest refused): the next try
+    writes the manifest and retention only, leaving the step committed once, its files sent
+    once; the run ends as one never interrupted."""
+    cfg6, straight_dir = straight
+    url = f"s3://{bucket}/run"
+    monkeypatch.setattr(store, "UPLOAD_WAITS", (0.1,))
+    sent, commits, refused = collections.Counter(), [], []
+    put, write, write_commit = store.Store.put, store.Store.write, store.write_commit
+
+    def count_put(self, local, remote, transfer=None):
+        sent.update(r.split("/")[1] for r in remote if r.startswith(store.CHECKPOINTS + "/"))
+        return put(self, local, remote, transfer)
+
+    def refuse_once(self, data, *parts):
+        if parts == (store.MANIFEST,) and commits[-1:] == [4] and not refused:
+            refused.append(parts)
+            raise PermissionError(errno.EACCES, "Access Denied")
+        return write(self, data, *parts)
+
+    def record(s, step, files):
+        commits.append(step)
+        write_commit(s, step, files)
+
+    monkeypatch.setattr(store.Store, "put", count_put)
+    monkeypatch.setattr(store.Store, "write", refuse_once)
+    monkeypatch.setattr(store, "write_commit", record)
+    stage = tmp_path / "stage"
+    last, logs = train_url(cfg6, url, stage)
+    assert refused and commits == [2, 4, 6], commits
+    assert f"note: step 4 is uploaded to {url} (try 2)" in logs, logs
+    assert sent == {str(k): len(json.loads(s3.read(bucket, f"run/checkpoints/{k}/committed.json"))["files"])
+                    for k in (2, 4, 6)}, sent
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == [2, 4, 6]
+    assert strict(s3.read(bucket, "run/manifest.json").decode())["step"] == 6
 
 
 def test_a_store_that_stops_reading_a_body_fails_the_upload(served, tmp_path, monkeypatch):

@@ -26,8 +26,10 @@ committed.json, then the manifest; retention and rejections are then mirrored. O
 step's upload has settled, the next save drops it from the stage: a stage holds the step just saved and the newest
 good one, the run's older steps being the store's alone (`Mirror.deferred` again). A store
 is never asked to append, rename or lock: every object is written whole by one PUT. The
-next save, and the end of the run, wait for the upload; an upload that failed stops the run
-with the step the store holds. The deadline's margin counts the upload
+next save, and the end of the run, wait for the upload. An upload that fails is tried again
+while training goes on, each try going on from where the last stopped (UPLOAD_WAITS), and
+stops the run with the step the store holds once UPLOAD_TRIES_SECONDS have passed since its
+first failure, or at once when the lease is lost. The deadline's margin counts the upload
 (`Mirror.push_seconds`).
 
 Several processes (hosts that share no disk) each stage the run in STAGE/process-<k> and
@@ -105,6 +107,13 @@ RECENT_PUSHES = 5
 # of it: it waits this long after its own upload ended (a dead peer ends the run sooner).
 PARTS_WAIT_SECONDS = 600.0
 PARTS_POLL_SECONDS = 0.5
+# An upload that fails (the store unreachable, the lease not renewed meanwhile, a peer's files
+# late) is tried again while training goes on, after these waits (the last repeated), as long
+# as UPLOAD_TRIES_SECONDS have not passed since its first failure: a store down for minutes
+# costs the run nothing; one down for longer stops it with the step the store holds. A
+# lease another process took stops it at once.
+UPLOAD_WAITS = (5.0, 15.0, 30.0, 60.0)
+UPLOAD_TRIES_SECONDS = 600.0
 # A store request that gets no byte back for this long fails (and is tried again by the
 # client library: s3fs and botocore, gcsfs); so does a connection not made in CONNECT_SECONDS.
 # A store that stops answering fails the run's upload in minutes, not never.
@@ -426,8 +435,9 @@ class Lease:
     host name do not count) that no longer lives. A lease another machine holds is watched
     (`_await_lapse`): refused once its holder renews it, taken once it lapses, so that a new
     pod started as the old one vanished waits for its lease rather than failing. A store
-    that ignores either condition is refused at acquire. A holder that lost its lease (`lost`), or could not renew it for
-    LEASE_TRUST_SECONDS, commits nothing more."""
+    that ignores either condition is refused at acquire. A holder that lost its lease
+    (`lost`) commits nothing more; one that could not renew it for LEASE_TRUST_SECONDS
+    commits nothing until a renewal goes through."""
 
     def __init__(self, store: Store, log: Log):
         self.store, self.log = store, log
@@ -583,16 +593,24 @@ class Lease:
             except Exception:   # noqa: BLE001 - the next renewal tries again; `check` judges
                 pass
 
-    def check(self) -> None:
+    def check(self, renew: bool = False) -> None:
         """Before a commit: raise RunDirBusy when the lease was lost, or not renewed for so
-        long that another process may have taken it."""
-        if not self.lost and self.version is not None:
-            unrenewed = time.monotonic() - self._renewed
-            if unrenewed > LEASE_TRUST_SECONDS:
-                self.lost = (f"the lease was not renewed for {unrenewed:.0f} s (the store did not take it), and "
-                             f"another process may take it after {LEASE_SECONDS:.0f} s")
+        long that another process may have taken it. renew: a lease due for renewal is
+        renewed first. A lease not renewed for a while (a store unreachable) is trusted again
+        once a renewal goes through: that PUT names the version this holder last wrote, so it
+        fails if another process took the lease meanwhile (the lease is then lost)."""
+        if renew and not self.lost and self.version is not None and self.unrenewed() > LEASE_RENEW_SECONDS:
+            self.renew()
         if self.lost:
             raise RunDirBusy(f"{self.store.url}: {self.lost}; this process commits nothing more")
+        if self.version is not None and self.unrenewed() > LEASE_TRUST_SECONDS:
+            raise RunDirBusy(f"{self.store.url}: the lease was not renewed for {self.unrenewed():.0f} s (the store "
+                             f"did not take it), and another process may take it after {LEASE_SECONDS:.0f} s; "
+                             "this process commits nothing until a renewal goes through")
+
+    def unrenewed(self) -> float:
+        """Seconds since the store last took this holder's lease."""
+        return time.monotonic() - self._renewed
 
     def release(self, ending: bool = False) -> None:
         """Delete the lease where it is still this holder's. ending: this process ends outside
@@ -947,9 +965,9 @@ class Mirror:
         multi-process run's step, {name: (size, the process that uploads it)} of every
         process's files (`checkpoint.RunCheckpointer`); None: the stage's step whole."""
         self.settle()
-        if self.lead:
+        if self.lead and self.lease.lost:
             self.lease.check()
-        self._push = self._pool.submit(self._upload, step, time.time(), files)
+        self._push = self._pool.submit(self._upload, step, files)
 
     def settle(self) -> None:
         """Wait for the upload in flight; raise (RunDirIOError) what made it fail."""
@@ -972,15 +990,39 @@ class Mirror:
         seconds = max(self._pushes) if self._pushes else self._guess
         return seconds * (2 if self.pushing() else 1)
 
-    def _upload(self, step: int, started: float, files) -> None:
-        try:
-            self._upload_step(step, files)
-        except RunDirBusy:
-            raise
-        except Exception as e:   # noqa: BLE001 - the store, the network, the disk
-            raise rundir.RunDirIOError(
-                f"cannot upload step {step} to {self.store.url_of(CHECKPOINTS, str(step))}: {failure_words(e)}; "
-                f"{self._store_words()}") from None
+    def _upload(self, step: int, files) -> None:
+        """`_upload_step`, tried again while it fails (UPLOAD_WAITS, UPLOAD_TRIES_SECONDS); each
+        try goes on from where the last one stopped. The margin's time is the try that went
+        through."""
+        done: set[str] = set()
+        first_failure = None
+        for tries in itertools.count(1):
+            started = time.time()
+            try:
+                if self.lead:
+                    self.lease.check(renew=True)
+                self._upload_step(step, files, done)
+                break
+            except Exception as e:   # noqa: BLE001 - the store, the network, the disk
+                if isinstance(e, RunDirBusy) and self.lease.lost:
+                    raise
+                now = time.monotonic()
+                first_failure = now if first_failure is None else first_failure
+                wait = UPLOAD_WAITS[min(tries, len(UPLOAD_WAITS)) - 1]
+                left = UPLOAD_TRIES_SECONDS - (now - first_failure)
+                words = failure_words(e) if not isinstance(e, RunDirBusy) else str(e)
+                if wait > left:
+                    tried = f" (tried {tries} times over {now - first_failure:.0f} s)" if tries > 1 else ""
+                    raise rundir.RunDirIOError(
+                        f"cannot upload step {step} to {self.store.url_of(CHECKPOINTS, str(step))}: {words}{tried}; "
+                        f"{self._store_words()}") from None
+                self._sending = None
+                self.log(f"warning: the upload of step {step} to {self.url} failed ({words}); trying again in "
+                         f"{wait:g} s while training goes on (it stops the run if it still fails "
+                         f"{left:.0f} s from now)")
+                time.sleep(wait)
+        if tries > 1:
+            self.log(f"note: step {step} is uploaded to {self.url} (try {tries})")
         self._pushes.append(time.time() - started)
 
     def _store_words(self) -> str:
@@ -988,7 +1030,12 @@ class Mirror:
             return f"{self.url} holds no committed step yet"
         return f"{self.url} holds step {self.committed} (the same command resumes from it)"
 
-    def _upload_step(self, step: int, parts=None) -> None:
+    def _upload_step(self, step: int, parts=None, done: Optional[set[str]] = None) -> None:
+        """The step's files, the logs, its commit, the manifest, retention. done: the stages
+        an earlier try of this upload finished ("retired", "sent", "committed"), added to as
+        each one ends: a try goes on from the first stage not done (each object the store
+        took is whole, and this holder's lease kept it so)."""
+        done = set() if done is None else done
         step_dir = self.stage / CHECKPOINTS / str(step)
         if parts is None:
             files = _step_files(step_dir)
@@ -996,22 +1043,32 @@ class Mirror:
         else:
             files = {n: size for n, (size, _) in parts.items()}
             names = sorted(n for n, (_, owner) in parts.items() if owner == self.index)
-        if self.lead and self.store.exists(CHECKPOINTS, str(step), COMMITTED):
-            # an older save of this step (a resume rejected it and fell back): retired before
-            # any file of the new one lands over it (a multi-process run's, at the resume)
-            self.lease.check()
-            self._retire(step)
-        self._sending = transfer_lib.Transfer(
-            sum(files[n] for n in names), f"waiting for the upload of step {step} to {self.url}")
-        self.store.put([step_dir / n for n in names], [f"{CHECKPOINTS}/{step}/{n}" for n in names], self._sending)
+        if self.lead and "retired" not in done:
+            if self.store.exists(CHECKPOINTS, str(step), COMMITTED):
+                # an older save of this step (a resume rejected it and fell back): retired
+                # before any file of the new one lands over it (a multi-process run's, at the
+                # resume); a try cut inside this finishes it (its commit is deleted first)
+                done.add("retiring")
+            if "retiring" in done:
+                self.lease.check()
+                self._retire(step)
+            done.add("retired")
+        if "sent" not in done:
+            self._sending = transfer_lib.Transfer(
+                sum(files[n] for n in names), f"waiting for the upload of step {step} to {self.url}")
+            self.store.put([step_dir / n for n in names], [f"{CHECKPOINTS}/{step}/{n}" for n in names],
+                           self._sending)
+            done.add("sent")
         if not self.lead:
             return
-        self._upload_logs()
-        if parts is not None:
-            self._await_parts(step, parts)
-        self.lease.check()
-        write_commit(self.store, step, files)
-        self.committed = step
+        if "committed" not in done:
+            self._upload_logs()
+            if parts is not None:
+                self._await_parts(step, parts)
+            self.lease.check()
+            write_commit(self.store, step, files)
+            self.committed = step
+            done.add("committed")
         if (self.stage / MANIFEST).is_file():
             self.store.write((self.stage / MANIFEST).read_bytes(), MANIFEST)
         self.lease.check()
