@@ -8,6 +8,12 @@ Object storage). Needs the dev extra: pip install -e ".[dev]".
 
   --fault stall  the store takes the connection and what is sent, and answers nothing
   --fault deaf   the store reads a connection's first MiB and no more, the connection open
+
+With --op upload, the transfer is a run's upload of a step (a file of --mib MiB) as the
+trainer makes it, tried again as it fails (store.UPLOAD_WAITS), and the fault is lifted after
+--down seconds: it prints each try's line and when the step was committed.
+
+    python scripts/store_faults.py --scheme s3 --fault cut --op upload --down 90
 """
 from __future__ import annotations
 
@@ -30,11 +36,17 @@ from fractus_jax.train import store  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scheme", choices=("s3", "gs"), required=True)
-    ap.add_argument("--fault", choices=("stall", "deaf"), required=True)
-    ap.add_argument("--op", choices=("put", "get"), default="put")
+    ap.add_argument("--fault", choices=("stall", "deaf", "cut"), required=True,
+                    help="cut: the store refuses connections and drops the open ones")
+    ap.add_argument("--op", choices=("put", "get", "upload"), default="put")
     ap.add_argument("--mib", type=int, default=200, help="the file's size")
+    ap.add_argument("--down", type=float, default=90.0, help="--op upload: the fault is lifted after this long")
     ap.add_argument("--give-up", type=float, default=1800.0, help="stop waiting after this many seconds")
     args = ap.parse_args(argv)
+    if args.op == "upload":
+        return upload(args)
+    if args.fault == "cut":
+        ap.error("--fault cut needs --op upload (a cut fails a single transfer at once)")
 
     server = S3Server() if args.scheme == "s3" else GCSServer()
     try:
@@ -73,6 +85,50 @@ def main(argv=None) -> int:
     finally:
         server.close()
     os._exit(0)   # the transfer's thread may still wait on the relay
+
+
+def upload(args) -> int:
+    """A run's upload of a step through a fault lifted after args.down seconds."""
+    server = S3Server() if args.scheme == "s3" else GCSServer()
+    try:
+        relay = Relay(server.port)
+        os.environ.update(server.env(relay.endpoint))
+        for name in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"):
+            os.environ.pop(name, None)
+        url = f"{args.scheme}://{server.bucket('faults')}/run"
+        stage = Path(tempfile.mkdtemp()) / "stage"
+        started = time.monotonic()
+        say = lambda line: print(f"{time.monotonic() - started:6.1f} s  {line}", flush=True)  # noqa: E731
+        mirror = store.Mirror(url, stage, say).open()
+        step = stage / store.CHECKPOINTS / "1"
+        step.mkdir(parents=True)
+        (step / "file").write_bytes(os.urandom(args.mib << 20))
+        real = store.Store.put
+
+        def faulted(self, local, remote, transfer=None):   # as the step's files start
+            if not getattr(faulted, "done", False):
+                faulted.done = True
+                {"cut": relay.cut, "stall": relay.stall, "deaf": lambda: relay.deaf(1 << 20)}[args.fault]()
+                say(f"the store {args.fault}: lifted in {args.down:g} s")
+                threading.Timer(args.down, lift).start()
+            return real(self, local, remote, transfer)
+
+        def lift():
+            {"cut": relay.restore, "stall": lambda: relay.stall(False), "deaf": lambda: relay.deaf(None)}[args.fault]()
+            say("the store is back")
+
+        store.Store.put = faulted
+        started = time.monotonic()
+        mirror.push(1)
+        try:
+            mirror.settle()
+            say(f"step 1 committed: {store.Store(url).exists(store.CHECKPOINTS, '1', store.COMMITTED)}")
+        except Exception as e:   # noqa: BLE001 - the run's error line
+            say(f"error: {e}")
+        mirror.close(quiet=True)
+    finally:
+        server.close()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ moto's server, started and stopped by these tests (s3_testing.py).
 
 The trainer killed by SIGKILL inside an upload, then resumed from a fresh stage (as on a new
 pod), ends bit for bit equal to a run never interrupted; a store cut in the middle of an
-upload loses nothing committed, the run says what failed, and the same command resumes; the
-lease admits one writer; a missing bucket, a URL that cannot be served and a store without
+upload and back within the upload's tries costs the run nothing; one that stays down loses
+nothing committed, the run says what failed, and the same command resumes; the lease admits
+one writer; a missing bucket, a URL that cannot be served and a store without
 conditional writes are refused before any step."""
 import argparse
 import collections

@@ -109,9 +109,9 @@ PARTS_WAIT_SECONDS = 600.0
 PARTS_POLL_SECONDS = 0.5
 # An upload that fails (the store unreachable, the lease not renewed meanwhile, a peer's files
 # late) is tried again while training goes on, after these waits (the last repeated), as long
-# as UPLOAD_TRIES_SECONDS have not passed since its first failure: a store down for minutes
-# costs the run nothing; one down for longer stops it with the step the store holds. A
-# lease another process took stops it at once.
+# as UPLOAD_TRIES_SECONDS have not passed since its first failure: a store down for a few
+# minutes does not stop the run; one down for longer stops it with the step the store holds.
+# A lease another process took stops it at once.
 UPLOAD_WAITS = (5.0, 15.0, 30.0, 60.0)
 UPLOAD_TRIES_SECONDS = 600.0
 # A store request that gets no byte back for this long fails (and is tried again by the
