@@ -958,6 +958,18 @@ def ended(seconds, fn):
     return box["value"]
 
 
+def behind_a_relay(served, monkeypatch, waits, tries_seconds):
+    """The served store (either kind) reached through a Relay, to cut or stall at will; the
+    clients' read timeout 1 s, the upload's tries as given: (server, url, bucket, relay)."""
+    server, url = served
+    relay = Relay(server.port)
+    set_env(monkeypatch, server.env(relay.endpoint))
+    monkeypatch.setattr(store, "READ_SECONDS", 1.0)
+    monkeypatch.setattr(store, "UPLOAD_WAITS", waits)
+    monkeypatch.setattr(store, "UPLOAD_TRIES_SECONDS", tries_seconds)
+    return server, url, url.split("/")[2], relay
+
+
 @pytest.mark.parametrize("how", ["cut", "stall"])
 def test_a_store_cut_inside_an_upload_loses_nothing_committed(how, served, straight, tmp_path, monkeypatch):
     """The store stops as step 4's files are sent, closing its connections (cut) or holding
@@ -966,13 +978,7 @@ def test_a_store_cut_inside_an_upload_loses_nothing_committed(how, served, strai
     failed and which step the store holds; with the store back, the same URL resumes to the
     same state."""
     cfg6, straight_dir = straight
-    s3, url = served   # either kind of store
-    bucket = url.split("/")[2]
-    relay = Relay(s3.port)
-    set_env(monkeypatch, s3.env(relay.endpoint))
-    monkeypatch.setattr(store, "READ_SECONDS", 1.0)
-    monkeypatch.setattr(store, "UPLOAD_WAITS", (0.2,))
-    monkeypatch.setattr(store, "UPLOAD_TRIES_SECONDS", 0.5)
+    s3, url, bucket, relay = behind_a_relay(served, monkeypatch, waits=(0.2,), tries_seconds=0.5)
     real = store.Store.put
 
     def stop_at_4(self, local, remote, transfer=None):   # as the first file of step 4 is sent
@@ -1004,13 +1010,7 @@ def test_a_store_down_for_a_while_inside_an_upload_costs_the_run_nothing(served,
     upload is tried again while training goes on, and the run ends at step 6 as one never
     interrupted, its three steps committed in the store and its lease let go."""
     cfg6, straight_dir = straight
-    s3, url = served   # either kind of store
-    bucket = url.split("/")[2]
-    relay = Relay(s3.port)
-    set_env(monkeypatch, s3.env(relay.endpoint))
-    monkeypatch.setattr(store, "READ_SECONDS", 1.0)
-    monkeypatch.setattr(store, "UPLOAD_WAITS", (0.5,))
-    monkeypatch.setattr(store, "UPLOAD_TRIES_SECONDS", 300.0)
+    s3, url, bucket, relay = behind_a_relay(served, monkeypatch, waits=(0.5,), tries_seconds=300.0)
     real = store.Store.put
     cuts = []
 
