@@ -977,8 +977,9 @@ class Mirror:
         # a wait longer than a moment says how far the upload is (the bytes of the step's
         # files; then the logs and the commit, which are small)
         while not concurrent.futures.wait([push], timeout=transfer_lib.PROGRESS_SECONDS).done:
-            if self._sending is not None:
-                self.log(self._sending.words())
+            sending = self._sending   # None while a failed try waits to be tried again
+            if sending is not None:
+                self.log(sending.words())
         push.result()
 
     def pushing(self) -> bool:
