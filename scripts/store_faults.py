@@ -10,7 +10,7 @@ Object storage). Needs the dev extra: pip install -e ".[dev]".
   --fault deaf   the store reads a connection's first MiB and no more, the connection open
 
 With --op upload, the transfer is a run's upload of a step (a file of --mib MiB) as the
-trainer makes it, tried again as it fails (store.UPLOAD_WAITS), and the fault is lifted after
+trainer makes it, tried again as it fails (store.TRY_WAITS), and the fault is lifted after
 --down seconds: it prints each try's line and when the step was committed.
 
     python scripts/store_faults.py --scheme s3 --fault cut --op upload --down 90
@@ -33,6 +33,21 @@ from s3_testing import Relay, S3Server  # noqa: E402
 from fractus_jax.train import store  # noqa: E402
 
 
+def behind_a_relay(scheme: str):
+    """A local server, the relay in front of it that sets the faults, and a run's URL in a new
+    bucket there; the store clients pointed at the relay with their default tries."""
+    server = S3Server() if scheme == "s3" else GCSServer()
+    try:
+        relay = Relay(server.port)
+        os.environ.update(server.env(relay.endpoint))
+        for name in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"):   # the clients' default tries
+            os.environ.pop(name, None)
+        return server, relay, f"{scheme}://{server.bucket('faults')}/run"
+    except BaseException:
+        server.close()
+        raise
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scheme", choices=("s3", "gs"), required=True)
@@ -48,14 +63,8 @@ def main(argv=None) -> int:
     if args.fault == "cut":
         ap.error("--fault cut needs --op upload (a cut fails a single transfer at once)")
 
-    server = S3Server() if args.scheme == "s3" else GCSServer()
+    server, relay, url = behind_a_relay(args.scheme)
     try:
-        relay = Relay(server.port)
-        os.environ.update(server.env(relay.endpoint))
-        for name in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"):   # the clients' default tries
-            os.environ.pop(name, None)
-        bucket = server.bucket("faults")
-        url = f"{args.scheme}://{bucket}/run"
         work = Path(tempfile.mkdtemp())
         local = work / "file"
         local.write_bytes(os.urandom(args.mib << 20))
@@ -89,13 +98,8 @@ def main(argv=None) -> int:
 
 def upload(args) -> int:
     """A run's upload of a step through a fault lifted after args.down seconds."""
-    server = S3Server() if args.scheme == "s3" else GCSServer()
+    server, relay, url = behind_a_relay(args.scheme)
     try:
-        relay = Relay(server.port)
-        os.environ.update(server.env(relay.endpoint))
-        for name in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"):
-            os.environ.pop(name, None)
-        url = f"{args.scheme}://{server.bucket('faults')}/run"
         stage = Path(tempfile.mkdtemp()) / "stage"
         started = time.monotonic()
         say = lambda line: print(f"{time.monotonic() - started:6.1f} s  {line}", flush=True)  # noqa: E731

@@ -33,7 +33,7 @@ HOOK = textwrap.dedent("""
     from fractus_jax.train import policy
     from fractus_jax.train.__main__ import main
     offset, rate, sigterm_after, every_process_caches = {offset!r}, {rate!r}, {sigterm_after!r}, {cache!r}
-    restore_fails_at = {restore_fails_at!r}
+    restore_fails_at, held_at, tries_seconds = {restore_fails_at!r}, {held_at!r}, {tries_seconds!r}
     if every_process_caches:
         # JAX writes compilation cache entries from process 0 only, and each process's
         # programs have keys of their own: process 1's would never be found. No public
@@ -67,6 +67,21 @@ HOOK = textwrap.dedent("""
                 raise OSError(f"a read of step {{step}} failed on this host")
             return restore(self, abstract_state, step, items)
         checkpoint.RunCheckpointer.restore = restore_failing
+    if held_at is not None:   # the first upload of that step's files waits for the test (a store cut meanwhile)
+        step, marker = held_at
+        from fractus_jax.train import store
+        put = store.Store.put
+        def put_once_the_test_says(self, local, remote, transfer=None):
+            if any(r.startswith(f"checkpoints/{{step}}/") for r in remote) and not os.path.exists(marker + ".go"):
+                open(marker, "w").close()
+                t = time.time()
+                while not os.path.exists(marker + ".go") and time.time() - t < 120:
+                    time.sleep(0.05)
+            return put(self, local, remote, transfer)
+        store.Store.put = put_once_the_test_says
+    if tries_seconds is not None:   # an upload that fails is tried again for this long only
+        from fractus_jax.train import store
+        store.TRIES_SECONDS = tries_seconds
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -79,7 +94,9 @@ def _free_port() -> int:
 
 def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, args=(), each=None, env=None):
     """The two processes, started. hooks: {process: dict(offset=, rate=, sigterm_after=,
-    restore_fails_at=)}.
+    restore_fails_at=, held_at=(step, marker path): the process's first upload of the step's
+    files creates the marker and waits for the file marker + ".go"; tries_seconds=:
+    store.TRIES_SECONDS)}.
     logs: a directory for their stderr (err0.txt, err1.txt; otherwise pipes, to be read
     while they run). cache: a persistent compilation cache directory that both processes
     read and write (each its own entries), or None for none. A cache that one process finds
@@ -102,7 +119,8 @@ def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, ar
     sets = [f"--set={o}" for o in [f"corpus={corpus_file}", *RUN, *overrides]]
     procs = []
     for i in range(2):
-        hook = {"offset": 0.0, "rate": 1.0, "sigterm_after": None, "restore_fails_at": None, **hooks.get(i, {}),
+        hook = {"offset": 0.0, "rate": 1.0, "sigterm_after": None, "restore_fails_at": None, "held_at": None, "tries_seconds": None,
+                **hooks.get(i, {}),
                 "cache": cache is not None}
         procs.append(subprocess.Popen(
             [sys.executable, "-c", HOOK.format(**hook), "--no-progress", "--config", "tiny",

@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import botocore.exceptions
 import jax
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ from fractus_jax.generate import main as generate_cli
 from fractus_jax.grow.__main__ import main as grow_cli
 from fractus_jax import urls
 from fractus_jax.train import checkpoint as ckpt_lib
-from fractus_jax.train import loop, rundir, store
+from fractus_jax.train import loop, policy, rundir, store
 from fractus_jax.train import transfer as transfer_lib
 from fractus_jax.train import prepare as prepare_lib
 from fractus_jax.train.__main__ import main as train_cli
@@ -419,7 +420,7 @@ def test_a_step_of_several_processes_is_committed_only_when_every_part_is_in_the
     process 1 once PARTS_WAIT_SECONDS pass; with it there, the step is committed."""
     monkeypatch.setattr(store, "PARTS_WAIT_SECONDS", 1.0)
     monkeypatch.setattr(store, "PARTS_POLL_SECONDS", 0.1)
-    monkeypatch.setattr(store, "UPLOAD_TRIES_SECONDS", 0.0)   # the failure, not tried again
+    monkeypatch.setattr(store, "TRIES_SECONDS", 0.0)   # the failure, not tried again
     url = f"s3://{bucket}/run"
     mirror = store.Mirror(url, tmp_path / "stage-0", lambda m: None, index=0, count=2).open()
     run = store.Store(url)
@@ -451,8 +452,8 @@ def test_a_step_whose_other_parts_come_late_is_committed_on_a_later_try(s3, buck
     0's upload is tried again, without sending its own file again, and commits the step."""
     monkeypatch.setattr(store, "PARTS_WAIT_SECONDS", 1.0)
     monkeypatch.setattr(store, "PARTS_POLL_SECONDS", 0.1)
-    monkeypatch.setattr(store, "UPLOAD_WAITS", (0.2,))
-    monkeypatch.setattr(store, "UPLOAD_TRIES_SECONDS", 60.0)
+    monkeypatch.setattr(store, "TRY_WAITS", (0.2,))
+    monkeypatch.setattr(store, "TRIES_SECONDS", 60.0)
     url = f"s3://{bucket}/run"
     notes = []
     run = store.Store(url)
@@ -809,7 +810,7 @@ def test_a_run_with_a_slow_store_stops_committed_before_its_deadline(s3, bucket,
     deadline, and the store holds that step."""
     real = store.Mirror._upload_step
 
-    def slow(self, step, parts=None, done=None):
+    def slow(self, step, parts, done):
         time.sleep(2.0)
         return real(self, step, parts, done)
 
@@ -833,7 +834,7 @@ def test_a_slow_upload_is_not_pruned_under_it(s3, bucket, corpus_file, tmp_path,
     commits = []
     write_commit = store.write_commit
 
-    def slow(self, step, parts=None, done=None):
+    def slow(self, step, parts, done):
         time.sleep(1.0)
         return real(self, step, parts, done)
 
@@ -965,8 +966,8 @@ def behind_a_relay(served, monkeypatch, waits, tries_seconds):
     relay = Relay(server.port)
     set_env(monkeypatch, server.env(relay.endpoint))
     monkeypatch.setattr(store, "READ_SECONDS", 1.0)
-    monkeypatch.setattr(store, "UPLOAD_WAITS", waits)
-    monkeypatch.setattr(store, "UPLOAD_TRIES_SECONDS", tries_seconds)
+    monkeypatch.setattr(store, "TRY_WAITS", waits)
+    monkeypatch.setattr(store, "TRIES_SECONDS", tries_seconds)
     return server, url, url.split("/")[2], relay
 
 
@@ -974,7 +975,7 @@ def behind_a_relay(served, monkeypatch, waits, tries_seconds):
 def test_a_store_cut_inside_an_upload_loses_nothing_committed(how, served, straight, tmp_path, monkeypatch):
     """The store stops as step 4's files are sent, closing its connections (cut) or holding
     them and answering nothing (stall, bounded by the clients' read timeout), and stays down:
-    the upload is tried again until UPLOAD_TRIES_SECONDS pass, then the run stops saying what
+    the upload is tried again until TRIES_SECONDS pass, then the run stops saying what
     failed and which step the store holds; with the store back, the same URL resumes to the
     same state."""
     cfg6, straight_dir = straight
@@ -1040,13 +1041,94 @@ def test_a_store_down_for_a_while_inside_an_upload_costs_the_run_nothing(served,
     assert "run/lease.json" not in s3.keys(bucket, "run/")
 
 
+@pytest.mark.parametrize("error, again", [
+    (botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), True),
+    (ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed"), True),
+    (TimeoutError(), True),
+    (OSError(errno.ETIMEDOUT, "Connection timed out"), True),
+    (OSError(errno.ENOSPC, "No space left on device"), False),
+    (OSError(errno.EBUSY, "Device or resource busy", "/stage/checkpoints/4/x"), False),
+    (FileNotFoundError(errno.ENOENT, "The specified key does not exist", "b/run/checkpoints/4/x"), False),
+    (PermissionError(errno.EACCES, "Forbidden"), False),
+    (rundir.CheckpointError("step 4 does not hold the files its commit names"), False),
+])
+def test_a_pull_tries_again_where_the_store_failed_not_the_disk_nor_a_refusal(error, again):
+    assert store.store_failed(error) is again
+
+
+def test_a_store_down_for_a_while_inside_the_pull_costs_the_start_nothing(served, straight, corpus_file, tmp_path,
+                                                                         monkeypatch):
+    """A new pod's start pulls step 4, and the store stops as its files are fetched, back once
+    the start has said so: the pull is tried again, and the run resumes at step 4 and ends at
+    step 6 as one never interrupted."""
+    cfg6, straight_dir = straight
+    s3, url, bucket, relay = behind_a_relay(served, monkeypatch, waits=(0.5,), tries_seconds=300.0)
+    train_url(tiny(corpus_file, "max_steps=4"), url, tmp_path / "pod-a")
+    real = store.Store.get
+    cuts = []
+
+    def stop_at_4(self, remote, local, transfer=None):   # the first time step 4's files are fetched
+        if not cuts and any(r.startswith(f"{store.CHECKPOINTS}/4/") for r in remote):
+            cuts.append(remote)
+            relay.cut()
+        return real(self, remote, local, transfer)
+
+    def back_once_said(line):
+        if line.startswith(f"warning: the pull of {url} into ") and cuts == [cuts[0]]:
+            cuts.append("restored")
+            relay.restore()
+
+    monkeypatch.setattr(store.Store, "get", stop_at_4)
+    stage = tmp_path / "pod-b"
+    last, logs = ended(600, lambda: train_url(cfg6, url, stage, watch=back_once_said))
+    said = [line for line in logs if line.startswith("warning: the pull")]
+    assert len(said) == 1 and re.fullmatch(
+        rf"warning: the pull of {re.escape(url)} into {re.escape(str(stage))} failed \(.+\); trying again in 0\.5 s "
+        r"\(it stops if it still fails (29\d|300) s from now\)", said[0]), logs
+    assert f"resumed {stage} at step 4, lane offset {4 * cfg6.seq_len}" in logs, logs
+    assert last["step"] == 6
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == [2, 4, 6]
+    assert "run/lease.json" not in s3.keys(bucket, "run/")
+
+
+def test_an_upload_failing_as_the_deadline_comes_stops_the_run_before_it(s3, bucket, corpus_file, tmp_path,
+                                                                         monkeypatch):
+    """The store goes down as step 10's files are sent and stays down: the upload is tried again
+    while training goes on until the run's deadline leaves no time for another try, and the run
+    stops before its deadline (the pod ends then) saying so, and which step the store holds."""
+    _, url, _, relay = behind_a_relay((s3, f"s3://{bucket}/run"), monkeypatch, waits=(1.0,), tries_seconds=120.0)
+    real = store.Store.put
+
+    def stop_at_10(self, local, remote, transfer=None):
+        if any(r.startswith(f"{store.CHECKPOINTS}/10/") for r in remote):
+            relay.cut()
+        return real(self, local, remote, transfer)
+
+    monkeypatch.setattr(store.Store, "put", stop_at_10)
+    deadline = time.time() + 45
+    cfg = tiny(corpus_file, "max_steps=1000000", "save_every=5", f"deadline={deadline}")
+    logs = []
+    with pytest.raises(rundir.RunDirIOError) as e:
+        ended(300, lambda: train_url(cfg, url, tmp_path / "stage", watch=logs.append))
+    finished = time.time()
+    assert re.fullmatch(
+        rf"cannot upload step 10 to {re.escape(url)}/checkpoints/10: .+ \(tried \d+ times over \d+ s; the run's "
+        rf"deadline, {re.escape(policy.deadline_words(deadline))}, comes before another try\); {re.escape(url)} "
+        r"holds step 5 \(the same command resumes from it\)", str(e.value)), e.value
+    said = [line for line in logs if line.startswith("warning: the upload of step 10")]
+    assert said and all(int(re.search(r"still fails (\d+) s from now", line)[1]) <= 45 for line in said), said
+    assert finished < deadline + 10, (finished - deadline, logs[-5:])
+    assert store_steps(s3, bucket, "run") == [5]
+
+
 def test_an_upload_tried_again_goes_on_from_where_it_stopped(s3, bucket, straight, tmp_path, monkeypatch):
     """Step 4's upload fails once its commit is written (the manifest refused): the next try
     writes the manifest and retention only, leaving the step committed once, its files sent
     once; the run ends as one never interrupted."""
     cfg6, straight_dir = straight
     url = f"s3://{bucket}/run"
-    monkeypatch.setattr(store, "UPLOAD_WAITS", (0.1,))
+    monkeypatch.setattr(store, "TRY_WAITS", (0.1,))
     sent, commits, refused = collections.Counter(), [], []
     put, write, write_commit = store.Store.put, store.Store.write, store.write_commit
 

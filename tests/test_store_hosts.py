@@ -8,16 +8,17 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from fractus_jax.train import store
+from fractus_jax.train import peers, store
 from engine_testing import SUBPROCESS_XLA_FLAGS
 from gcs_testing import GCSServer
-from s3_testing import S3Server, child_env, set_env
-from test_multihost_faults import ROOT, RUN, STRAIGHT, launch, restore_state
+from s3_testing import Relay, S3Server, child_env, set_env
+from test_multihost_faults import ROOT, RUN, STRAIGHT, ended, launch, restore_state, start
 
 pytestmark = pytest.mark.slow
 
@@ -159,6 +160,75 @@ def test_a_shard_only_one_process_reads_fails_the_step_on_both(corpus_file, tmp_
         server.close()
 
 
+def wait_for(what, seconds, procs, logs):
+    """Until what() is true, the two processes running; their stderr in the failure."""
+    t0 = time.time()
+    while not what():
+        assert time.time() - t0 < seconds and all(p.poll() is None for p in procs), "\n".join(
+            f"process {i}: ...{(logs / f'err{i}.txt').read_text()[-3000:]}" for i in range(2))
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("down", ["a while", "past the tries"])
+def test_two_processes_through_a_store_down_inside_an_upload_lose_nothing(down, corpus_file, tmp_path, monkeypatch):
+    """The store is cut as process 1 sends its files of step 4.
+    - For a while: it is back once each process has said that its upload of step 4 failed
+      (process 0 waiting for process 1's files, or sending its own); both try again while
+      training goes on, and process 0 commits step 4 once every file is in the store.
+    - Past the tries (TRIES_SECONDS 3 s): both processes stop with exit 2, each naming step 2
+      as the step the store holds (process 1 too, which commits nothing itself), and the same
+      command on new stages, the store back, resumes from it.
+    Either way the run ends at step 6 bit for bit as on a shared disk."""
+    server = S3Server()
+    try:
+        relay = Relay(server.port)
+        url = f"s3://{server.bucket('hosts')}/run"
+        env = child_env(server.env(relay.endpoint))
+        marker = tmp_path / "held"
+        tries = {"tries_seconds": 3.0} if down == "past the tries" else {}
+        procs = start(url, corpus_file, STRAIGHT, hooks={0: tries, 1: {"held_at": (4, str(marker)), **tries}},
+                      logs=tmp_path, each=stages(tmp_path, "a"), env=env)
+        wait_for(marker.exists, 400, procs, tmp_path)
+        relay.cut()
+        Path(f"{marker}.go").touch()
+        keys = lambda: server.keys("hosts", "run/")  # noqa: E731
+        committed = lambda: sorted(int(k.split("/")[2]) for k in keys() if k.endswith("/" + store.COMMITTED))  # noqa: E731
+        if down == "a while":
+            failed = lambda i: f"warning: the upload of step 4 to {url} failed (" in (tmp_path / f"err{i}.txt").read_text()  # noqa: E731
+            wait_for(lambda: failed(0) and failed(1), 200, procs, tmp_path)
+            relay.restore()
+            codes, errs = ended(procs, tmp_path)
+            assert codes == [0, 0], [e[-3000:] for e in errs]
+            for err in errs:
+                assert re.search(rf"note: step 4 is uploaded to {re.escape(url)} \(try [2-9]\)", err), err[-3000:]
+        else:
+            codes, errs = ended(procs, tmp_path)
+            assert codes == [2, 2], [e[-3000:] for e in errs]
+            for err in errs:
+                last = err.rstrip("\n").splitlines()[-1]
+                assert last.startswith("error: ") and "cannot upload step 4 to " in last, err[-3000:]
+                assert last.endswith(f"; {url} holds step 2 (the same command resumes from it)"), last
+            assert committed() == [2]
+            relay.restore()
+            errs = launch(url, corpus_file, STRAIGHT, each=stages(tmp_path, "b"), env=env)
+            for i, err in enumerate(errs):
+                assert f"process-{i} at step 2, lane offset" in err, err[-3000:]
+        assert committed() == [2, 4, 6] and "run/lease.json" not in keys(), keys()
+        steps = [json.loads(line)["step"] for line in server.read("hosts", "run/metrics.jsonl").decode().splitlines()]
+        assert steps == [1, 2, 3, 4, 5, 6], steps
+
+        shared = tmp_path / "shared"
+        launch(shared, corpus_file, STRAIGHT, env=child_env(server.env()))
+        monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+        set_env(monkeypatch, server.env())
+        (a, meta_a), (b, meta_b) = restore_state(store.readable(url, log=lambda m: None)), restore_state(shared)
+        assert meta_a["step"] == meta_b["step"] == 6 and meta_a["start_token_next"] == meta_b["start_token_next"]
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("how", ["error", "kill"])
 def test_a_process_ended_by_its_watchdog_lets_the_lease_go(how, corpus_file, tmp_path):
     """Process 0, which holds the run's lease, is ended by its watchdog (no `finally` of the
@@ -166,9 +236,6 @@ def test_a_process_ended_by_its_watchdog_lets_the_lease_go(how, corpus_file, tmp
     or process 1 is killed (kill -9) after a committed step (process 0: exit 3). Process 0
     lets the lease go first, so that the run, started again on another pod, is taken at once
     rather than after the lease lapses (LEASE_SECONDS)."""
-    from fractus_jax.train import peers
-    from test_multihost_faults import ended, start
-
     server = S3Server()
     try:
         url = f"s3://{server.bucket('ended')}/run"

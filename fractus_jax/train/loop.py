@@ -136,6 +136,8 @@ class _Trainer:
         cfg = plan.cfg
         self.cfg, self.rd, self.log = cfg, rd, log
         deadline = policy_lib.parse_deadline(cfg.deadline)
+        if rd.mirror is not None:
+            rd.mirror.deadline = deadline   # its uploads are not tried again past it
         self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
         abstract = state_lib.abstract_train_state(cfg)
         shardings = state_lib.train_state_shardings(cfg, self.mesh, abstract)

@@ -251,6 +251,11 @@ def parse_deadline(text: str) -> Optional[float]:
     return t.timestamp()
 
 
+def deadline_words(deadline: float) -> str:
+    """A deadline (unix seconds) as its ISO time in this machine's zone."""
+    return datetime.datetime.fromtimestamp(deadline).astimezone().isoformat(timespec="seconds")
+
+
 class StopFlag:
     """SIGTERM/SIGINT: finish the current step, save, exit 0. A second SIGINT interrupts."""
 

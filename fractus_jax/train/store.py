@@ -20,16 +20,17 @@ ones left in the store (`Mirror.deferred`: retention counts them, and a resume t
 every stage step fetches them); a step the store does not hold as committed (an upload that
 was cut) is deleted from the store, and a stage step the store lacks is moved aside to
 STAGE/unpushed/; a step the stage held already whose copy fails its checks is fetched again
-(the store's is the one committed). After each local commit (checksums and manifest
-written) the step is uploaded in a background thread: its files, the logs, then
-committed.json, then the manifest; retention and rejections are then mirrored. Once a
-step's upload has settled, the next save drops it from the stage: a stage holds the step just saved and the newest
-good one, the run's older steps being the store's alone (`Mirror.deferred` again). A store
-is never asked to append, rename or lock: every object is written whole by one PUT. The
-next save, and the end of the run, wait for the upload. An upload that fails is tried again
-while training goes on, each try going on from where the last stopped (UPLOAD_WAITS), and
-stops the run with the step the store holds once UPLOAD_TRIES_SECONDS have passed since its
-first failure, or at once when the lease is lost. The deadline's margin counts the upload
+(the store's is the one committed); a pull the store fails is tried again (`Tries`). After
+each local commit (checksums and manifest written) the step is uploaded in a background
+thread: its files, the logs, then committed.json, then the manifest; retention and rejections
+are then mirrored. Once a step's upload has settled, the next save drops it from the stage: a
+stage holds the step just saved and the newest good one, the run's older steps being the
+store's alone (`Mirror.deferred` again). A store is never asked to append, rename or lock:
+every object is written whole by one PUT. The next save, and the end of the run, wait for the
+upload. An upload that fails is tried again while training goes on, each try going on from
+where the last stopped (TRY_WAITS), and stops the run with the step the store holds once
+TRIES_SECONDS have passed since its first failure or the run's deadline leaves no time for
+another try, or at once when the lease is lost. The deadline's margin counts the upload
 (`Mirror.push_seconds`).
 
 Several processes (hosts that share no disk) each stage the run in STAGE/process-<k> and
@@ -108,12 +109,13 @@ RECENT_PUSHES = 5
 PARTS_WAIT_SECONDS = 600.0
 PARTS_POLL_SECONDS = 0.5
 # An upload that fails (the store unreachable, the lease not renewed meanwhile, a peer's files
-# late) is tried again while training goes on, after these waits (the last repeated), as long
-# as UPLOAD_TRIES_SECONDS have not passed since its first failure: a store down for a few
-# minutes does not stop the run; one down for longer stops it with the step the store holds.
-# A lease another process took stops it at once.
-UPLOAD_WAITS = (5.0, 15.0, 30.0, 60.0)
-UPLOAD_TRIES_SECONDS = 600.0
+# late) is tried again while training goes on, and so is the pull at a start, after these
+# waits (the last repeated), as long as TRIES_SECONDS have not passed since its first failure
+# and the run's deadline leaves time: a store down for a few minutes does not stop the run; one
+# down for longer stops it with the step the store holds. A lease another process took stops
+# it at once.
+TRY_WAITS = (5.0, 15.0, 30.0, 60.0)
+TRIES_SECONDS = 600.0
 # A store request that gets no byte back for this long fails (and is tried again by the
 # client library: s3fs and botocore, gcsfs); so does a connection not made in CONNECT_SECONDS.
 # A store that stops answering fails the run's upload in minutes, not never.
@@ -193,6 +195,20 @@ def failure_words(e: BaseException) -> str:
     if _timed_out_sending(e):
         return f"the store took nothing sent to it for {SEND_SECONDS:g} s, on each of the client's tries"
     return rundir.reason(e)
+
+
+# the local disk's failures: another try would meet them again
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOTDIR, errno.EISDIR}
+
+
+def store_failed(e: BaseException) -> bool:
+    """e is the store failing (unreachable, not answering, an error of its own), which a later
+    try may not meet; not a refusal that it would meet again (credentials, a missing object,
+    a check), nor the local disk."""
+    if isinstance(e, (CheckpointError, FileNotFoundError, PermissionError)):
+        return False
+    return not (isinstance(e, OSError) and (e.errno in DISK_ERRNOS or (
+        isinstance(e.filename, str) and os.path.isabs(e.filename))))
 
 
 def _no_expect(params, **kwargs):
@@ -679,6 +695,42 @@ def _log_files(stage: Path) -> list[str]:
     return names
 
 
+class Tries:
+    """The failures of an operation tried again: `failed()` after each gives the wait before
+    the next try (TRY_WAITS, the last repeated), or None once TRIES_SECONDS have passed since
+    the first failure, or the deadline (unix seconds) comes before the next try would."""
+
+    def __init__(self, deadline: Optional[float] = None):
+        self.deadline = deadline
+        self.count = 0             # the failures so far
+        self._first = 0.0          # time.monotonic() of the first
+        self._past_deadline = False
+
+    def failed(self) -> Optional[float]:
+        now = time.monotonic()
+        self.count += 1
+        self._first = now if self.count == 1 else self._first
+        wait = TRY_WAITS[min(self.count, len(TRY_WAITS)) - 1]
+        if wait > TRIES_SECONDS - (now - self._first):
+            return None
+        if self.deadline is not None and wait > self.deadline - time.time():
+            self._past_deadline = True
+            return None
+        return wait
+
+    def left(self) -> float:
+        """Seconds until the tries end, failing still."""
+        left = TRIES_SECONDS - (time.monotonic() - self._first)
+        return left if self.deadline is None else min(left, self.deadline - time.time())
+
+    def words(self) -> str:
+        """" (tried K times over S s[; the deadline ...])" once they ended, as the error says it."""
+        said = [f"tried {self.count} times over {time.monotonic() - self._first:.0f} s"] if self.count > 1 else []
+        if self._past_deadline:
+            said.append(f"the run's deadline, {policy.deadline_words(self.deadline)}, comes before another try")
+        return f" ({'; '.join(said)})" if said else ""
+
+
 class Mirror:
     """The store's side of a run trained in a local stage: `open` (lease, pull), `push(step)`
     after each local commit (in the background), `settle` (wait for it; raise what failed),
@@ -715,6 +767,9 @@ class Mirror:
         # (`fill`)
         self.left_out: dict[int, dict[str, tuple[int, str]]] = {}
         self._fills = 0   # restores whose fetches the processes agreed on (each its own key)
+        # the run's deadline (unix seconds; None: none): an upload that fails is not tried
+        # again past it, the pod ending then
+        self.deadline: Optional[float] = None
         self._closed = False
 
     # -- start
@@ -749,19 +804,39 @@ class Mirror:
 
     def pull(self) -> None:
         """Make the stage the store's committed run: leftovers of cut uploads deleted from the
-        store, stage steps the store lacks set aside, the store's steps and logs fetched."""
-        with self._pulling():
-            self._pull()
+        store, stage steps the store lacks set aside, the store's steps and logs fetched. A
+        store that fails meanwhile is tried again (`Tries`): each try starts over, but for the
+        steps fetched whole already."""
+        tries = Tries()
+        with self._pulling(tries):
+            while True:
+                try:
+                    if tries.count and self.lead:   # what the pull deletes in the store is the holder's
+                        self.lease.check(renew=True)
+                    self._pull()
+                    return
+                except Exception as e:   # noqa: BLE001 - the store, the network, the disk
+                    busy = isinstance(e, RunDirBusy)
+                    if (busy and self.lease.lost) or not (busy or store_failed(e)):
+                        raise
+                    wait = tries.failed()
+                    if wait is None:
+                        raise
+                    self.log(f"warning: the pull of {self.url} into {self.stage} failed "
+                             f"({str(e) if busy else failure_words(e)}); trying again in {wait:g} s (it stops if it "
+                             f"still fails {tries.left():.0f} s from now)")
+                    time.sleep(wait)
 
     @contextlib.contextmanager
-    def _pulling(self):
+    def _pulling(self, tries: Optional[Tries] = None):
         """A failure of the store or the disk while fetching into the stage: CheckpointError."""
         try:
             yield
         except CheckpointError:
             raise
         except Exception as e:   # noqa: BLE001 - the store or the disk
-            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {failure_words(e)}") from None
+            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {failure_words(e)}"
+                                  f"{tries.words() if tries is not None else ''}") from None
 
     @property
     def parts(self) -> bool:
@@ -992,12 +1067,11 @@ class Mirror:
         return seconds * (2 if self.pushing() else 1)
 
     def _upload(self, step: int, files) -> None:
-        """`_upload_step`, tried again while it fails (UPLOAD_WAITS, UPLOAD_TRIES_SECONDS); each
-        try goes on from where the last one stopped. The margin's time is the try that went
-        through."""
+        """`_upload_step`, tried again while it fails (`Tries`); each try goes on from where
+        the last one stopped. The margin's time is the try that went through."""
         done: set[str] = set()
-        first_failure = None
-        for tries in itertools.count(1):
+        tries = Tries(self.deadline)
+        while True:
             started = time.time()
             try:
                 if self.lead:
@@ -1007,36 +1081,38 @@ class Mirror:
             except Exception as e:   # noqa: BLE001 - the store, the network, the disk
                 if isinstance(e, RunDirBusy) and self.lease.lost:
                     raise
-                now = time.monotonic()
-                first_failure = now if first_failure is None else first_failure
-                wait = UPLOAD_WAITS[min(tries, len(UPLOAD_WAITS)) - 1]
-                left = UPLOAD_TRIES_SECONDS - (now - first_failure)
                 words = failure_words(e) if not isinstance(e, RunDirBusy) else str(e)
-                if wait > left:
-                    tried = f" (tried {tries} times over {now - first_failure:.0f} s)" if tries > 1 else ""
+                wait = tries.failed()
+                if wait is None:
                     raise rundir.RunDirIOError(
-                        f"cannot upload step {step} to {self.store.url_of(CHECKPOINTS, str(step))}: {words}{tried}; "
-                        f"{self._store_words()}") from None
+                        f"cannot upload step {step} to {self.store.url_of(CHECKPOINTS, str(step))}: "
+                        f"{words}{tries.words()}; {self._store_words()}") from None
                 self._sending = None
                 self.log(f"warning: the upload of step {step} to {self.url} failed ({words}); trying again in "
                          f"{wait:g} s while training goes on (it stops the run if it still fails "
-                         f"{left:.0f} s from now)")
+                         f"{tries.left():.0f} s from now)")
                 time.sleep(wait)
-        if tries > 1:
-            self.log(f"note: step {step} is uploaded to {self.url} (try {tries})")
+        if tries.count:
+            self.log(f"note: step {step} is uploaded to {self.url} (try {tries.count + 1})")
         self._pushes.append(time.time() - started)
 
     def _store_words(self) -> str:
+        if not self.lead:   # process 0 commits: the newest it told (`_tell_committed`)
+            try:
+                self.committed = int(policy.runtime_client().key_value_try_get(COMMITTED_KEY))
+            except Exception:   # noqa: BLE001 - none told yet (the pull's then), or the service gone
+                if self.committed is not None:
+                    return (f"{self.url} holds step {self.committed}, or a newer one process 0 committed (the same "
+                            "command resumes from the newest)")
         if self.committed is None:
             return f"{self.url} holds no committed step yet"
         return f"{self.url} holds step {self.committed} (the same command resumes from it)"
 
-    def _upload_step(self, step: int, parts=None, done: Optional[set[str]] = None) -> None:
+    def _upload_step(self, step: int, parts, done: set[str]) -> None:
         """The step's files, the logs, its commit, the manifest, retention. done: the stages
-        an earlier try of this upload finished ("retired", "sent", "committed"), added to as
-        each one ends: a try goes on from the first stage not done (each object the store
-        took is whole, and this holder's lease kept it so)."""
-        done = set() if done is None else done
+        an earlier try of this upload finished ("retiring", "retired", "sent", "committed"),
+        added to as each one ends: a try goes on from the first stage not done (each object
+        the store took is whole, and this holder's lease kept it so)."""
         step_dir = self.stage / CHECKPOINTS / str(step)
         if parts is None:
             files = _step_files(step_dir)
@@ -1045,12 +1121,11 @@ class Mirror:
             files = {n: size for n, (size, _) in parts.items()}
             names = sorted(n for n, (_, owner) in parts.items() if owner == self.index)
         if self.lead and "retired" not in done:
-            if self.store.exists(CHECKPOINTS, str(step), COMMITTED):
-                # an older save of this step (a resume rejected it and fell back): retired
-                # before any file of the new one lands over it (a multi-process run's, at the
-                # resume); a try cut inside this finishes it (its commit is deleted first)
+            # an older save of this step (a resume rejected it and fell back): retired before
+            # any file of the new one lands over it (a multi-process run's, at the resume); a
+            # try cut inside this finishes it (its commit is deleted first)
+            if "retiring" in done or self.store.exists(CHECKPOINTS, str(step), COMMITTED):
                 done.add("retiring")
-            if "retiring" in done:
                 self.lease.check()
                 self._retire(step)
             done.add("retired")
@@ -1070,6 +1145,8 @@ class Mirror:
             write_commit(self.store, step, files)
             self.committed = step
             done.add("committed")
+            if self.parts:
+                _tell_committed(step)
         if (self.stage / MANIFEST).is_file():
             self.store.write((self.stage / MANIFEST).read_bytes(), MANIFEST)
         self.lease.check()
@@ -1439,6 +1516,18 @@ def new_run(value: str, log: Log = print) -> Iterator[str]:
             mirror.close(quiet=True)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+# of a multi-process run: the newest step process 0 committed in the store, which the other
+# processes' error lines name
+COMMITTED_KEY = "fractus_jax/store/committed"
+
+
+def _tell_committed(step: int) -> None:
+    try:
+        policy.runtime_client().key_value_set(COMMITTED_KEY, str(step), allow_overwrite=True)
+    except Exception:   # noqa: BLE001 - the words of another process's error line only
+        pass
 
 
 def write_commit(store: Store, step: int, files: dict[str, int]) -> None:
