@@ -971,6 +971,28 @@ def behind_a_relay(served, monkeypatch, waits, tries_seconds):
     return server, url, url.split("/")[2], relay
 
 
+def down_until_said(relay, monkeypatch, method, step, said):
+    """The store cut the first time `method` ("put" or "get") moves the files of `step`, and
+    back once a line the run logs starts with `said`: returns the watch that restores it."""
+    real = getattr(store.Store, method)
+    cuts = []
+
+    def cut_at_step(self, a, b, transfer=None):
+        remote = b if method == "put" else a
+        if not cuts and any(r.startswith(f"{store.CHECKPOINTS}/{step}/") for r in remote):
+            cuts.append(remote)
+            relay.cut()
+        return real(self, a, b, transfer)
+
+    def back_once_said(line):
+        if line.startswith(said) and len(cuts) == 1:
+            cuts.append("restored")
+            relay.restore()
+
+    monkeypatch.setattr(store.Store, method, cut_at_step)
+    return back_once_said
+
+
 @pytest.mark.parametrize("how", ["cut", "stall"])
 def test_a_store_cut_inside_an_upload_loses_nothing_committed(how, served, straight, tmp_path, monkeypatch):
     """The store stops as step 4's files are sent, closing its connections (cut) or holding
@@ -1012,23 +1034,9 @@ def test_a_store_down_for_a_while_inside_an_upload_costs_the_run_nothing(served,
     interrupted, its three steps committed in the store and its lease let go."""
     cfg6, straight_dir = straight
     s3, url, bucket, relay = behind_a_relay(served, monkeypatch, waits=(0.5,), tries_seconds=300.0)
-    real = store.Store.put
-    cuts = []
-
-    def stop_at_4(self, local, remote, transfer=None):   # the first time step 4's files are sent
-        if not cuts and any(r.startswith(f"{store.CHECKPOINTS}/4/") for r in remote):
-            cuts.append(remote)
-            relay.cut()
-        return real(self, local, remote, transfer)
-
-    def back_once_said(line):
-        if line.startswith(f"warning: the upload of step 4 to {url} failed (") and cuts == [cuts[0]]:
-            cuts.append("restored")
-            relay.restore()
-
-    monkeypatch.setattr(store.Store, "put", stop_at_4)
+    watch = down_until_said(relay, monkeypatch, "put", 4, f"warning: the upload of step 4 to {url} failed (")
     stage = tmp_path / "pod-a"
-    last, logs = ended(600, lambda: train_url(cfg6, url, stage, watch=back_once_said))
+    last, logs = ended(600, lambda: train_url(cfg6, url, stage, watch=watch))
     said = [line for line in logs if line.startswith("warning: the upload")]
     assert len(said) == 1 and re.fullmatch(
         rf"warning: the upload of step 4 to {re.escape(url)} failed \(.+\); trying again in 0\.5 s while training "
@@ -1064,23 +1072,9 @@ def test_a_store_down_for_a_while_inside_the_pull_costs_the_start_nothing(served
     cfg6, straight_dir = straight
     s3, url, bucket, relay = behind_a_relay(served, monkeypatch, waits=(0.5,), tries_seconds=300.0)
     train_url(tiny(corpus_file, "max_steps=4"), url, tmp_path / "pod-a")
-    real = store.Store.get
-    cuts = []
-
-    def stop_at_4(self, remote, local, transfer=None):   # the first time step 4's files are fetched
-        if not cuts and any(r.startswith(f"{store.CHECKPOINTS}/4/") for r in remote):
-            cuts.append(remote)
-            relay.cut()
-        return real(self, remote, local, transfer)
-
-    def back_once_said(line):
-        if line.startswith(f"warning: the pull of {url} into ") and cuts == [cuts[0]]:
-            cuts.append("restored")
-            relay.restore()
-
-    monkeypatch.setattr(store.Store, "get", stop_at_4)
+    watch = down_until_said(relay, monkeypatch, "get", 4, f"warning: the pull of {url} into ")
     stage = tmp_path / "pod-b"
-    last, logs = ended(600, lambda: train_url(cfg6, url, stage, watch=back_once_said))
+    last, logs = ended(600, lambda: train_url(cfg6, url, stage, watch=watch))
     said = [line for line in logs if line.startswith("warning: the pull")]
     assert len(said) == 1 and re.fullmatch(
         rf"warning: the pull of {re.escape(url)} into {re.escape(str(stage))} failed \(.+\); trying again in 0\.5 s "
@@ -1090,6 +1084,24 @@ def test_a_store_down_for_a_while_inside_the_pull_costs_the_start_nothing(served
     assert_same_state(straight_dir, stage, cfg6)
     assert store_steps(s3, bucket, "run") == [2, 4, 6]
     assert "run/lease.json" not in s3.keys(bucket, "run/")
+
+
+def test_a_reader_whose_store_goes_down_for_a_while_fetches_the_step(s3, bucket, tmp_path, monkeypatch):
+    """A reader's fetch of a step (eval's, generate's, convert export's, grow's) meets the
+    store down as the step's files come, back once the fetch has said so: it is tried again,
+    and the read cache holds the step whole, as committed."""
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    bodies = put_committed_step(s3.client(), bucket, 4, {"params/a": b"w" * 64, "opt_state/b": b"m" * 128})
+    _, url, _, relay = behind_a_relay((s3, f"s3://{bucket}/run"), monkeypatch, waits=(0.5,), tries_seconds=300.0)
+    watch = down_until_said(relay, monkeypatch, "get", 4, f"warning: the fetch of step 4 of {url} failed (")
+    logs = []
+    local = Path(ended(120, lambda: store.readable(url, log=lambda line: (logs.append(line), watch(line)))))
+    said = [line for line in logs if line.startswith("warning: ")]
+    assert len(said) == 1 and re.fullmatch(
+        rf"warning: the fetch of step 4 of {re.escape(url)} failed \(.+\); trying again in 0\.5 s \(it stops if it "
+        r"still fails (29\d|300) s from now\)", said[0]), logs
+    step_dir = local / store.CHECKPOINTS / "4"
+    assert {str(f.relative_to(step_dir)): f.read_bytes() for f in step_dir.rglob("*") if f.is_file()} == bodies
 
 
 def test_an_upload_failing_as_the_deadline_comes_stops_the_run_before_it(s3, bucket, corpus_file, tmp_path,

@@ -78,7 +78,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
 import jax
 
@@ -131,6 +131,7 @@ SEND_SECONDS = 30.0
 SCHEMES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gs")}
 
 Log = Callable[[str], None]
+T = TypeVar("T")
 
 
 def scheme_of(value: str) -> Optional[str]:
@@ -194,6 +195,8 @@ def failure_words(e: BaseException) -> str:
         return f"the store did not answer (no byte for {READ_SECONDS:g} s, on each of the client's tries)"
     if _timed_out_sending(e):
         return f"the store took nothing sent to it for {SEND_SECONDS:g} s, on each of the client's tries"
+    if isinstance(e, CheckpointError):   # the run's own words (a lease not renewed)
+        return str(e)
     return rundir.reason(e)
 
 
@@ -435,6 +438,11 @@ class Store:
 
 # ----------------------------------------------------------------------------- the lease
 
+class LeaseUnrenewed(RunDirBusy):
+    """The holder's lease was not renewed for LEASE_TRUST_SECONDS (the store did not take the
+    renewals): it commits nothing until a renewal goes through."""
+
+
 # a version no object has: the probe's PUT naming it must be refused
 OTHER_VERSION = {"s3": '"0"', "gs": "1"}
 
@@ -620,9 +628,9 @@ class Lease:
         if self.lost:
             raise RunDirBusy(f"{self.store.url}: {self.lost}; this process commits nothing more")
         if self.version is not None and self.unrenewed() > LEASE_TRUST_SECONDS:
-            raise RunDirBusy(f"{self.store.url}: the lease was not renewed for {self.unrenewed():.0f} s (the store "
-                             f"did not take it), and another process may take it after {LEASE_SECONDS:.0f} s; "
-                             "this process commits nothing until a renewal goes through")
+            raise LeaseUnrenewed(f"{self.store.url}: the lease was not renewed for {self.unrenewed():.0f} s (the "
+                                 f"store did not take it), and another process may take it after "
+                                 f"{LEASE_SECONDS:.0f} s; this process commits nothing until a renewal goes through")
 
     def unrenewed(self) -> float:
         """Seconds since the store last took this holder's lease."""
@@ -723,6 +731,26 @@ class Tries:
         left = TRIES_SECONDS - (time.monotonic() - self._first)
         return left if self.deadline is None else min(left, self.deadline - time.time())
 
+    def run(self, fn: Callable[[], T], what: str, log: Log, again: Optional[Callable[[], None]] = None) -> T:
+        """fn(), tried again while the store fails it (`store_failed`; a lease not renewed
+        meanwhile too), saying so: `warning: {what} failed (...); trying again in 5 s (...)`.
+        again: called before each try after the first (a lease's check). Raises the last
+        failure once the tries end, or the first that another try would meet again."""
+        while True:
+            try:
+                if self.count and again is not None:
+                    again()
+                return fn()
+            except Exception as e:   # noqa: BLE001 - the store, the network, the disk
+                if not (isinstance(e, LeaseUnrenewed) or store_failed(e)):
+                    raise
+                wait = self.failed()
+                if wait is None:
+                    raise
+                log(f"warning: {what} failed ({failure_words(e)}); trying again in {wait:g} s (it stops if it "
+                    f"still fails {self.left():.0f} s from now)")
+                time.sleep(wait)
+
     def words(self) -> str:
         """" (tried K times over S s[; the deadline ...])" once they ended, as the error says it."""
         said = [f"tried {self.count} times over {time.monotonic() - self._first:.0f} s"] if self.count > 1 else []
@@ -808,24 +836,9 @@ class Mirror:
         store that fails meanwhile is tried again (`Tries`): each try starts over, but for the
         steps fetched whole already."""
         tries = Tries()
-        with self._pulling(tries):
-            while True:
-                try:
-                    if tries.count and self.lead:   # what the pull deletes in the store is the holder's
-                        self.lease.check(renew=True)
-                    self._pull()
-                    return
-                except Exception as e:   # noqa: BLE001 - the store, the network, the disk
-                    busy = isinstance(e, RunDirBusy)
-                    if (busy and self.lease.lost) or not (busy or store_failed(e)):
-                        raise
-                    wait = tries.failed()
-                    if wait is None:
-                        raise
-                    self.log(f"warning: the pull of {self.url} into {self.stage} failed "
-                             f"({str(e) if busy else failure_words(e)}); trying again in {wait:g} s (it stops if it "
-                             f"still fails {tries.left():.0f} s from now)")
-                    time.sleep(wait)
+        with self._pulling(tries):   # what the pull deletes in the store is the lease holder's
+            tries.run(self._pull, f"the pull of {self.url} into {self.stage}", self.log,
+                      again=(lambda: self.lease.check(renew=True)) if self.lead else None)
 
     @contextlib.contextmanager
     def _pulling(self, tries: Optional[Tries] = None):
@@ -1079,9 +1092,9 @@ class Mirror:
                 self._upload_step(step, files, done)
                 break
             except Exception as e:   # noqa: BLE001 - the store, the network, the disk
-                if isinstance(e, RunDirBusy) and self.lease.lost:
-                    raise
-                words = failure_words(e) if not isinstance(e, RunDirBusy) else str(e)
+                if isinstance(e, RunDirBusy) and not isinstance(e, LeaseUnrenewed):
+                    raise   # the lease lost
+                words = failure_words(e)
                 wait = tries.failed()
                 if wait is None:
                     raise rundir.RunDirIOError(
@@ -1429,8 +1442,10 @@ def readable(value: str, step: Optional[int] = None, log: Log = print, items=Non
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     src.check_access()
+    tries = Tries()
     try:
-        steps = {s: r for s, r in store_steps(src).items() if r is not None}
+        steps = {s: r for s, r in tries.run(lambda: store_steps(src), f"the read of {url}", log).items()
+                 if r is not None}
         want = named if named is not None else step
         if want is None:
             if not steps:
@@ -1479,14 +1494,17 @@ def readable(value: str, step: Optional[int] = None, log: Log = print, items=Non
                 _read_lock(lock)
                 held = {}
         if set(needed) - set(held):
-            fetch_step(src, want, {**held, **needed}, checkpoints, log)
+            tries.run(lambda: fetch_step(src, want, {**held, **needed}, checkpoints, log),
+                      f"the fetch of step {want} of {url}", log)
         ckpt_lib.verified(step_dir, whole)   # the command's own check hashes the rest only
-        if src.exists(MANIFEST):
-            rundir.write_text_atomic(local / MANIFEST, src.read(MANIFEST).decode())
+        manifest = tries.run(lambda: src.read(MANIFEST) if src.exists(MANIFEST) else None,
+                             f"the read of {src.url_of(MANIFEST)}", log)
+        if manifest is not None:
+            rundir.write_text_atomic(local / MANIFEST, manifest.decode())
     except CheckpointError:
         raise
     except Exception as e:   # noqa: BLE001 - the store or the disk
-        raise CheckpointError(f"cannot fetch {value}: {failure_words(e)}") from None
+        raise CheckpointError(f"cannot fetch {value}: {failure_words(e)}{tries.words()}") from None
     return str(checkpoints / str(want)) if named is not None else str(local)
 
 
