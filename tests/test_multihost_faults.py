@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 HOOK = textwrap.dedent("""
     import os, signal, sys, time
-    from fractus_jax.train import policy
+    from fractus_jax.train import policy, store
     from fractus_jax.train.__main__ import main
     offset, rate, sigterm_after, every_process_caches = {offset!r}, {rate!r}, {sigterm_after!r}, {cache!r}
     restore_fails_at, held_at, tries_seconds = {restore_fails_at!r}, {held_at!r}, {tries_seconds!r}
@@ -69,7 +69,6 @@ HOOK = textwrap.dedent("""
         checkpoint.RunCheckpointer.restore = restore_failing
     if held_at is not None:   # the first upload of that step's files waits for the test (a store cut meanwhile)
         step, marker = held_at
-        from fractus_jax.train import store
         put = store.Store.put
         def put_once_the_test_says(self, local, remote, transfer=None):
             if any(r.startswith(f"checkpoints/{{step}}/") for r in remote) and not os.path.exists(marker + ".go"):
@@ -80,7 +79,6 @@ HOOK = textwrap.dedent("""
             return put(self, local, remote, transfer)
         store.Store.put = put_once_the_test_says
     if tries_seconds is not None:   # an upload that fails is tried again for this long only
-        from fractus_jax.train import store
         store.TRIES_SECONDS = tries_seconds
     sys.exit(main(sys.argv[1:]))
 """)
@@ -119,9 +117,8 @@ def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, ar
     sets = [f"--set={o}" for o in [f"corpus={corpus_file}", *RUN, *overrides]]
     procs = []
     for i in range(2):
-        hook = {"offset": 0.0, "rate": 1.0, "sigterm_after": None, "restore_fails_at": None, "held_at": None, "tries_seconds": None,
-                **hooks.get(i, {}),
-                "cache": cache is not None}
+        hook = {"offset": 0.0, "rate": 1.0, "sigterm_after": None, "restore_fails_at": None, "held_at": None,
+                "tries_seconds": None, **hooks.get(i, {}), "cache": cache is not None}
         procs.append(subprocess.Popen(
             [sys.executable, "-c", HOOK.format(**hook), "--no-progress", "--config", "tiny",
              "--workdir", str(workdir), *sets, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",

@@ -191,10 +191,17 @@ def test_two_processes_through_a_store_down_inside_an_upload_lose_nothing(down, 
         wait_for(marker.exists, 400, procs, tmp_path)
         relay.cut()
         Path(f"{marker}.go").touch()
-        keys = lambda: server.keys("hosts", "run/")  # noqa: E731
-        committed = lambda: sorted(int(k.split("/")[2]) for k in keys() if k.endswith("/" + store.COMMITTED))  # noqa: E731
+
+        def keys():
+            return server.keys("hosts", "run/")
+
+        def committed():
+            return sorted(int(k.split("/")[2]) for k in keys() if k.endswith("/" + store.COMMITTED))
+
+        def failed(i):
+            return f"warning: the upload of step 4 to {url} failed (" in (tmp_path / f"err{i}.txt").read_text()
+
         if down == "a while":
-            failed = lambda i: f"warning: the upload of step 4 to {url} failed (" in (tmp_path / f"err{i}.txt").read_text()  # noqa: E731
             wait_for(lambda: failed(0) and failed(1), 200, procs, tmp_path)
             relay.restore()
             codes, errs = ended(procs, tmp_path)
