@@ -1339,13 +1339,20 @@ def test_a_new_pod_hashes_the_step_it_pulls_once(s3, bucket, corpus_file, tmp_pa
     assert files and {p: hashed[p] for p in files} == {p: 1 for p in files}
 
 
-def test_a_resume_that_rejects_the_pulled_step_fetches_the_older_ones(s3, bucket, straight, tmp_path, monkeypatch):
+@pytest.mark.parametrize("store_down", [False, True])
+def test_a_resume_that_rejects_the_pulled_step_fetches_the_older_ones(store_down, s3, bucket, straight, tmp_path,
+                                                                      monkeypatch):
     """Step 4 verifies (checksums, finite flags) but does not restore: the resume fetches the
     step 2 the pull left in the store, falls back to it, moves the store's step 4 aside, and
-    ends equal to a run never interrupted."""
+    ends equal to a run never interrupted. store_down: the store stops as step 2's files are
+    fetched, back once the fetch has said so; it is tried again."""
     cfg6, straight_dir = straight
     url = f"s3://{bucket}/run"
     train_url(tiny(cfg6.corpus, "max_steps=4"), url, tmp_path / "pod-a")
+    watch = None
+    if store_down:
+        _, _, _, relay = behind_a_relay((s3, url), monkeypatch, waits=(0.5,), tries_seconds=300.0)
+        watch = down_until_said(relay, monkeypatch, "get", 2, f"warning: the fetch of step 2 of {url} failed (")
     real = ckpt_lib.RunCheckpointer.restore
 
     def step_4_fails(self, abstract_state, step=None, items=("params", "opt_state", "extra")):
@@ -1355,9 +1362,11 @@ def test_a_resume_that_rejects_the_pulled_step_fetches_the_older_ones(s3, bucket
 
     monkeypatch.setattr(ckpt_lib.RunCheckpointer, "restore", step_4_fails)
     stage = tmp_path / "pod-b"
-    last, logs = train_url(cfg6, url, stage)
+    last, logs = ended(600, lambda: train_url(cfg6, url, stage, watch=watch))
     pulled = [line.split()[2] for line in logs if line.startswith("pulling step ")]
-    assert pulled == ["4", "2"], logs
+    assert pulled == (["4", "2", "2"] if store_down else ["4", "2"]), logs
+    said = [line for line in logs if line.startswith("warning: the fetch")]
+    assert len(said) == int(store_down), logs
     assert ("warning: step 4: could not be restored; falling back to step 2 (OSError: a damaged file the "
             "checksums did not catch)") in logs, logs
     assert f"resumed {stage} at step 2, lane offset {2 * cfg6.seq_len}" in logs, logs

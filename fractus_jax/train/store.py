@@ -841,15 +841,15 @@ class Mirror:
                       again=(lambda: self.lease.check(renew=True)) if self.lead else None)
 
     @contextlib.contextmanager
-    def _pulling(self, tries: Optional[Tries] = None):
+    def _pulling(self, tries: Tries):
         """A failure of the store or the disk while fetching into the stage: CheckpointError."""
         try:
             yield
         except CheckpointError:
             raise
         except Exception as e:   # noqa: BLE001 - the store or the disk
-            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {failure_words(e)}"
-                                  f"{tries.words() if tries is not None else ''}") from None
+            raise CheckpointError(f"cannot pull {self.url} into {self.stage}: {failure_words(e)}{tries.words()}") \
+                from None
 
     @property
     def parts(self) -> bool:
@@ -1000,14 +1000,17 @@ class Mirror:
 
     def fetch_deferred(self) -> bool:
         """Fetch the committed steps the pull left in the store (a resume rejected every step
-        the stage holds); False when there are none."""
+        the stage holds), tried again while the store fails as the pull is; False when there
+        are none."""
         if not self.deferred:
             return False
-        with self._pulling():
-            records = store_steps(self.store)
+        tries = Tries()
+        with self._pulling(tries):
+            records = tries.run(lambda: store_steps(self.store), f"the read of {self.url}", self.log)
             for step in sorted(self.deferred, reverse=True):
                 if records.get(step) is not None:
-                    fetch_step(self.store, step, records[step]["files"], self.stage / CHECKPOINTS, self.log)
+                    tries.run(lambda: fetch_step(self.store, step, records[step]["files"], self.stage / CHECKPOINTS,
+                                                 self.log), f"the fetch of step {step} of {self.url}", self.log)
         self.deferred.clear()
         return True
 
