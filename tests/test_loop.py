@@ -24,6 +24,22 @@ def test_saves_every_save_every_steps_by_time_and_at_the_end():
     assert timed.save and not timed.final and timed.read_now and not timed.write(5, c.log_every)
 
 
+def test_a_save_due_while_an_upload_is_tried_again_is_owed_to_the_first_step_after():
+    c = cfg("max_steps=10", "save_every=4")
+    held = Decision(hold_saves=4)
+    saves, owed = [], False
+    for step in range(1, 11):
+        after = after_step(c, step, held if 5 <= step <= 8 else Decision(), False, False, owed)
+        assert not (after.held and after.save) and after.read_now == after.save   # a held save reads nothing now
+        saves, owed = saves + [step] * after.save, after.held
+        assert owed == (step == 8)   # step 8's save, held, is made at step 9
+    assert saves == [4, 9, 10]
+    # a run's last save is made however the saves are held, and the owed one with it
+    last = after_step(c, 10, held, False, False, owed=True)
+    assert last.save and last.final and not last.held
+    assert after_step(c, 6, Decision(stop="deadline near", hold_saves=4), False, False).save
+
+
 def test_a_stop_saves_blocking_and_writes_the_step():
     c = cfg("max_steps=10", "save_every=4", "log_every=3")
     after = after_step(c, 5, Decision(stop="SIGTERM received"), False, False)

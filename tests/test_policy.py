@@ -24,10 +24,14 @@ from fractus_jax.train.policy import DEADLINE_SLACK_SECONDS, Decision, StopSaveP
 
 
 class FakeCheckpointer:
-    def __init__(self, committed_at=(), save_seconds=1.0):
+    def __init__(self, committed_at=(), save_seconds=1.0, uploading_again=None):
         self.committed_at, self._save_seconds = set(committed_at), save_seconds
+        self.uploading = uploading_again or {}   # step -> the step whose upload is tried again then
         self.step = None
         self.calls = []
+
+    def uploading_again(self):
+        return self.uploading.get(self.step)
 
     def poll(self):
         self.calls.append(("poll", self.step))
@@ -79,8 +83,15 @@ def test_only_process_0s_clock_and_save_count():
     assert decide([Vote(deadline=True), Vote()]).stop == "deadline near"
 
 
+def test_any_process_s_upload_tried_again_holds_the_saves_and_the_finish_of_one():
+    assert decide([Vote(uploading_again=4), Vote()]) == Decision(hold_saves=4)
+    assert decide([Vote(committed=True), Vote(uploading_again=4)]) == Decision(hold_saves=4)
+    assert decide([Vote(uploading_again=4), Vote(uploading_again=6)]).hold_saves == 4
+    assert decide([Vote(committed=True), Vote()]) == Decision(finish_save=True)
+
+
 def test_a_decision_travels_as_text():
-    d = Decision(save=True, stop="SIGTERM received by process 1", finish_save=True)
+    d = Decision(save=True, stop="SIGTERM received by process 1", finish_save=True, hold_saves=4)
     assert Decision.decode(d.encode()) == d
 
 
@@ -98,6 +109,17 @@ def test_alone_polls_and_decides_by_its_own_clock(clock):
     assert p.at_step(3, None, ck, 0.5).save
     p.saved()
     assert not p.at_step(4, None, ck, 0.5).save
+
+
+def test_a_save_is_not_finished_while_the_upload_before_it_is_tried_again(clock):
+    """Finishing a save waits for the upload before it: while that one is tried again, the
+    committed save stays unfinished and the saves are held; after it, both go on."""
+    p = StopSavePolicy(save_every_minutes=0, deadline=None)
+    ck = FakeCheckpointer(uploading_again={2: 4, 3: 4})
+    for step in (1, 2, 3, 4):
+        ck.step = step
+        assert p.at_step(step, None, ck, 0.5).hold_saves == ck.uploading.get(step)
+    assert ck.calls == [("poll", 1), ("poll", 4)]
 
 
 def test_the_deadline_margin_is_two_steps_one_and_a_half_saves_and_a_second(clock):
@@ -209,9 +231,10 @@ class ThreadGather:
         return gather
 
 
-def run_processes(make_exchange, signals, committed_at=(), steps=8, n=2, clock_step=None):
+def run_processes(make_exchange, signals, committed_at=(), steps=8, n=2, clock_step=None, uploading_again=None):
     """Each "process" a thread running the policy for `steps` steps; signals[i] = (step, name)
-    received by process i. Returns each one's decisions and its checkpointer's calls."""
+    received by process i; uploading_again[i]: {step: the step whose upload process i tries
+    again then}. Returns each one's decisions and its checkpointer's calls."""
     out, errors = {}, []
     # The train step is collective: no process runs a step ahead of the others' dispatch.
     # The last save is too: all have read every decision before process 0 cleans up.
@@ -220,7 +243,7 @@ def run_processes(make_exchange, signals, committed_at=(), steps=8, n=2, clock_s
     def body(i):
         try:
             p = StopSavePolicy(save_every_minutes=1, deadline=None, exchange=make_exchange(i))
-            ck = FakeCheckpointer(committed_at)
+            ck = FakeCheckpointer(committed_at, uploading_again=(uploading_again or {}).get(i))
             got, signal = [], None
             for step in range(1, steps + 1):
                 ck.step = step
@@ -263,6 +286,33 @@ def test_gathered_a_signal_to_process_1_stops_both_at_the_same_step(clock):
     # process 0's view was asked.
     assert ("wait", 2) in calls0 and ("wait", 2) in calls1
     assert not any(c[0] in ("committed", "poll") for c in calls1)
+
+
+@pytest.mark.parametrize("who", [0, 1])
+def test_gathered_a_committed_save_waits_while_a_process_s_upload_is_tried_again(clock, who):
+    g = ThreadGather(2)
+    (d0, calls0), (d1, calls1) = run_processes(lambda i: policy.Gathered(g.for_process(i), i), {},
+                                               committed_at={2, 3, 4}, steps=4, uploading_again={who: {2: 6, 3: 6}})
+    assert d0 == d1
+    assert [d.hold_saves for d in d0] == [None, 6, 6, None]
+    assert [d.finish_save for d in d0] == [False, False, False, True]
+    for calls in (calls0, calls1):
+        assert [c for c in calls if c[0] == "wait"] == [("wait", 4)]
+
+
+def test_key_value_exchange_holds_the_saves_while_process_1_s_upload_is_tried_again(clock):
+    client = FakeClient()
+    (d0, calls0), (d1, _) = run_processes(lambda i: policy.KeyValueExchange(client, i, 2, name="run"), {},
+                                          committed_at={2, 3, 4, 5, 6}, steps=7,
+                                          uploading_again={1: {2: 6, 3: 6, 4: 6}})
+    assert d0 == d1
+    # process 0 reads what process 1 said (at steps 2 and 5) at that step, or at the next one
+    held = [i + 1 for i, d in enumerate(d0) if d.hold_saves == 6]
+    assert held == list(range(held[0], held[-1] + 1)) and held[0] in (2, 3) and held[-1] in (4, 5), d0
+    assert all(d.hold_saves in (None, 6) for d in d0)
+    finished = [i + 1 for i, d in enumerate(d0) if d.finish_save]
+    assert finished and finished[0] == held[-1] + 1 and not set(finished) & set(held), d0
+    assert client.kv == {}
 
 
 def test_gathered_time_saves_follow_process_0s_clock(clock):

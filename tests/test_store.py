@@ -973,7 +973,8 @@ def behind_a_relay(served, monkeypatch, waits, tries_seconds):
 
 def down_until_said(relay, monkeypatch, method, step, said):
     """The store cut the first time `method` ("put" or "get") moves the files of `step`, and
-    back once a line the run logs starts with `said`: returns the watch that restores it."""
+    back once a line the run logs starts with `said` (None: when the test restores it):
+    returns the watch that restores it."""
     real = getattr(store.Store, method)
     cuts = []
 
@@ -985,7 +986,7 @@ def down_until_said(relay, monkeypatch, method, step, said):
         return real(self, a, b, transfer)
 
     def back_once_said(line):
-        if line.startswith(said) and len(cuts) == 1:
+        if said is not None and line.startswith(said) and len(cuts) == 1:
             cuts.append("restored")
             relay.restore()
 
@@ -1049,6 +1050,50 @@ def test_a_store_down_for_a_while_inside_an_upload_costs_the_run_nothing(served,
     assert "run/lease.json" not in s3.keys(bucket, "run/")
 
 
+def test_training_goes_on_past_a_save_due_while_an_upload_is_tried_again(s3, bucket, straight, tmp_path,
+                                                                         monkeypatch):
+    """The store stops as step 2's files are sent, and is back only once the run reaches step 6:
+    step 4's save, due while the upload is tried again, is held (the run says so) and training
+    goes on, where a save waiting for the upload would stall it until the tries end; the upload
+    of step 2 goes through, and the run's last save commits step 6, as a run never interrupted."""
+    cfg6, straight_dir = straight
+    _, url, _, relay = behind_a_relay((s3, f"s3://{bucket}/run"), monkeypatch, waits=(0.5,), tries_seconds=30.0)
+    logs, at_step = [], policy.StopSavePolicy.at_step
+    failed = f"warning: the upload of step 2 to {url} failed ("
+    down_until_said(relay, monkeypatch, "put", 2, said=None)   # back at step 6, below
+
+    def steps_around_the_cut(self, step, signal, ckpt, step_seconds):
+        if step == 3:
+            ckpt.wait()   # step 2's save finished now, its upload started (and cut)
+        if step == 4:   # the upload has failed before step 4's save is due
+            t0 = time.time()
+            while not any(line.startswith(failed) for line in logs):
+                assert time.time() - t0 < 60, logs
+                time.sleep(0.05)
+        if step == 5:   # a save of step 4, had one started, is on disk: this step would finish it
+            while ckpt.manager.is_saving_in_progress():
+                time.sleep(0.05)
+        if step == 6:
+            relay.restore()
+        return at_step(self, step, signal, ckpt, step_seconds)
+
+    monkeypatch.setattr(policy.StopSavePolicy, "at_step", steps_around_the_cut)
+    stage = tmp_path / "pod-a"
+    last, _ = ended(300, lambda: train_url(cfg6, url, stage, watch=logs.append))
+    held = [i for i, line in enumerate(logs) if line.startswith("note: step 4 is not saved yet")]
+    assert len(held) == 1 and logs[held[0]] == (
+        f"note: step 4 is not saved yet: the upload of step 2 to {url} is being tried again; training goes on, and "
+        "the save is made once that upload is through"), logs
+    tries = sum(line.startswith(failed) for line in logs) + 1
+    uploaded = logs.index(f"note: step 2 is uploaded to {url} (try {tries})")
+    assert held[0] < uploaded, logs   # training passed step 4 while the upload failed
+    assert last["step"] == 6
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == [2, 6] and stage_steps(stage) == [6]
+    assert [strict(x)["step"] for x in s3.read(bucket, "run/metrics.jsonl").decode().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert "run/lease.json" not in s3.keys(bucket, "run/")
+
+
 @pytest.mark.parametrize("error, again", [
     (botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), True),
     (ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed"), True),
@@ -1086,6 +1131,32 @@ def test_a_store_down_for_a_while_inside_the_pull_costs_the_start_nothing(served
     assert "run/lease.json" not in s3.keys(bucket, "run/")
 
 
+def test_a_pull_failing_as_the_deadline_comes_stops_the_start_before_it(s3, bucket, corpus_file, tmp_path,
+                                                                        monkeypatch, capsys):
+    """A new pod's start pulls step 4, and the store goes down as its files are fetched and
+    stays down: the pull is tried again until the run's deadline leaves no time for another
+    try, and the start stops by the deadline (the try under way ends on its own), saying so
+    (exit 2, no traceback)."""
+    _, url, _, relay = behind_a_relay((s3, f"s3://{bucket}/run"), monkeypatch, waits=(1.0,), tries_seconds=120.0)
+    train_url(tiny(corpus_file, "max_steps=4"), url, tmp_path / "pod-a")
+    down_until_said(relay, monkeypatch, "get", 4, said=None)
+    deadline = time.time() + 30
+    stage = tmp_path / "pod-b"
+    code = ended(300, lambda: train_cli(["--config", "tiny", "--workdir", url, "--stage", str(stage), "--no-progress",
+                                         *(f"--set={kv}" for kv in (f"corpus={corpus_file}", "save_every=2",
+                                                                     "max_steps=6", f"deadline={deadline}"))]))
+    finished = time.time()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err), err
+    assert re.fullmatch(
+        rf"error: cannot pull {re.escape(url)} into {re.escape(str(stage))}: .+ \(tried \d+ times over \d+ s; the "
+        rf"run's deadline, {re.escape(policy.deadline_words(deadline))}, comes before another try\)", err[-1]), err
+    said = [line for line in err if line.startswith("warning: the pull")]
+    assert said and all(int(re.search(r"still fails (\d+) s from now", line)[1]) <= 30 for line in said), said
+    assert finished < deadline + 10, (finished - deadline, err[-5:])
+    assert store_steps(s3, bucket, "run") == [2, 4]   # the lease, unreleased with the store down, lapses
+
+
 def test_a_reader_whose_store_goes_down_for_a_while_fetches_the_step(s3, bucket, tmp_path, monkeypatch):
     """A reader's fetch of a step (eval's, generate's, convert export's, grow's) meets the
     store down as the step's files come, back once the fetch has said so: it is tried again,
@@ -1104,33 +1175,72 @@ def test_a_reader_whose_store_goes_down_for_a_while_fetches_the_step(s3, bucket,
     assert {str(f.relative_to(step_dir)): f.read_bytes() for f in step_dir.rglob("*") if f.is_file()} == bodies
 
 
-def test_an_upload_failing_as_the_deadline_comes_stops_the_run_before_it(s3, bucket, corpus_file, tmp_path,
-                                                                         monkeypatch):
-    """The store goes down as step 10's files are sent and stays down: the upload is tried again
-    while training goes on until the run's deadline leaves no time for another try, and the run
-    stops before its deadline (the pod ends then) saying so, and which step the store holds."""
-    _, url, _, relay = behind_a_relay((s3, f"s3://{bucket}/run"), monkeypatch, waits=(1.0,), tries_seconds=120.0)
+def test_a_fetch_tried_again_fetches_only_the_files_that_did_not_come_whole(s3, bucket, tmp_path, monkeypatch):
+    """The store fails a reader's fetch of step 4 once two of its four files have come whole
+    and a third in part: the next try fetches the other two only, and the read cache ends
+    with the step's exact bytes."""
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(store, "TRY_WAITS", (0.1,))
+    bodies = put_committed_step(s3.client(), bucket, 4, {f"params/{c}": c.encode() * 4096 for c in "abcd"})
+    real, asked = store.Store.get, []
+
+    def cut_after_two(self, remote, local, transfer=None):
+        if any(r.startswith(f"{store.CHECKPOINTS}/4/") for r in remote):
+            asked.append([r.split("/", 2)[2] for r in remote])
+            if len(asked) == 1:
+                real(self, remote[:2], local[:2], transfer)
+                local[2].write_bytes(b"c" * 100)   # a file cut short
+                raise botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+        return real(self, remote, local, transfer)
+
+    monkeypatch.setattr(store.Store, "get", cut_after_two)
+    logs = []
+    local = Path(ended(120, lambda: store.readable(f"s3://{bucket}/run", log=logs.append)))
+    assert sorted(asked[0]) == sorted(bodies) and len(asked) == 2, asked
+    assert sorted(asked[1]) == sorted(asked[0][2:]), asked
+    assert any(line.endswith("; 2 came whole in the try before") for line in logs), logs
+    step_dir = local / store.CHECKPOINTS / "4"
+    assert {str(f.relative_to(step_dir)): f.read_bytes() for f in step_dir.rglob("*") if f.is_file()} == bodies
+
+
+@pytest.mark.parametrize("fault", ["cut", "stall"])
+def test_an_upload_failing_as_the_deadline_comes_stops_the_run_by_it(fault, s3, bucket, corpus_file, tmp_path,
+                                                                     monkeypatch):
+    """The store goes down as step 10's files are sent and stays down, and the run stops by
+    its deadline (the pod ends then), saying so and which step the store holds:
+    - cut (the store refuses connections): the upload is tried again while training goes on
+      until the deadline leaves no time for another try, and the run stops before it;
+    - stall (the store holds its connections answering nothing; the clients' own bounds
+      longer than the pod lives): the try under way is cut at the deadline (without the cut
+      the run hangs past the test's 300 s)."""
+    _, url, _, relay = behind_a_relay((s3, f"s3://{bucket}/run"), monkeypatch, waits=(1.0,), tries_seconds=600.0)
+    monkeypatch.setattr(store, "READ_SECONDS", 600.0)
     real = store.Store.put
 
-    def stop_at_10(self, local, remote, transfer=None):
+    def down_at_10(self, local, remote, transfer=None):
         if any(r.startswith(f"{store.CHECKPOINTS}/10/") for r in remote):
-            relay.cut()
+            relay.cut() if fault == "cut" else relay.stall()
         return real(self, local, remote, transfer)
 
-    monkeypatch.setattr(store.Store, "put", stop_at_10)
+    monkeypatch.setattr(store.Store, "put", down_at_10)
     deadline = time.time() + 45
     cfg = tiny(corpus_file, "max_steps=1000000", "save_every=5", f"deadline={deadline}")
     logs = []
     with pytest.raises(rundir.RunDirIOError) as e:
         ended(300, lambda: train_url(cfg, url, tmp_path / "stage", watch=logs.append))
     finished = time.time()
+    when = re.escape(policy.deadline_words(deadline))
+    what = ".+ " if fault == "cut" else f"TimeoutError: cut at the run's deadline, {when} "
     assert re.fullmatch(
-        rf"cannot upload step 10 to {re.escape(url)}/checkpoints/10: .+ \(tried \d+ times over \d+ s; the run's "
-        rf"deadline, {re.escape(policy.deadline_words(deadline))}, comes before another try\); {re.escape(url)} "
-        r"holds step 5 \(the same command resumes from it\)", str(e.value)), e.value
+        rf"cannot upload step 10 to {re.escape(url)}/checkpoints/10: {what}\((tried \d+ times over \d+ s; )?the "
+        rf"run's deadline, {when}, comes before another try\); {re.escape(url)} holds step 5 \(the same command "
+        r"resumes from it\)", str(e.value)), e.value
     said = [line for line in logs if line.startswith("warning: the upload of step 10")]
-    assert said and all(int(re.search(r"still fails (\d+) s from now", line)[1]) <= 45 for line in said), said
-    assert finished < deadline + 10, (finished - deadline, logs[-5:])
+    assert all(int(re.search(r"still fails (\d+) s from now", line)[1]) <= 45 for line in said), said
+    if fault == "cut":
+        assert said and finished < deadline + 10, (finished - deadline, logs[-5:])
+    else:   # the calls the stop makes after the deadline (the lease let go) are given a few seconds each
+        assert deadline <= finished < deadline + 3 * store.DEADLINE_GRACE_SECONDS, finished - deadline
     assert store_steps(s3, bucket, "run") == [5]
 
 

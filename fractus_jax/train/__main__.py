@@ -140,7 +140,8 @@ def train(args, argv) -> tuple[int, Optional[str]]:
     try:
         cfg = config.apply_overrides(config.load_config(args.config), args.overrides)
         if store.scheme_of(args.workdir):   # the store's run, pulled into its stage
-            mirror = store.open_mirror(args.workdir, args.stage, log=log)
+            mirror = store.open_mirror(args.workdir, args.stage, log=log,
+                                       deadline=policy.parse_deadline(cfg.deadline))
             args.stage = str(mirror.stage)
         plan = prepare_lib.prepare(cfg, local_dir(args), progress=not args.no_progress,
                                    explicit=config.override_fields(args.overrides),

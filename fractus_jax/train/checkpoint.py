@@ -406,6 +406,15 @@ class RunCheckpointer:
         seconds = self.commits.seconds() * (1 if self._pending is None else 2)
         return seconds + (self.mirror.push_seconds() if self.mirror is not None else 0.0)
 
+    def uploading_again(self) -> Optional[int]:
+        """A run on object storage: the step whose upload failed and waits to be tried again."""
+        return None if self.mirror is None else self.mirror.trying_again
+
+    def check_upload(self) -> None:
+        """A run on object storage: raise now what made an upload fail once its tries ended."""
+        if self.mirror is not None:
+            self.mirror.check()
+
     def committed(self) -> bool:
         """A background save is being finished by nobody and has committed (this process's view)."""
         return self._pending is not None and not self.manager.is_saving_in_progress()

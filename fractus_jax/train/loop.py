@@ -46,6 +46,7 @@ class AfterStep:
     save: bool             # save a checkpoint
     final: bool            # the run ends here (max_steps or a stop): the save blocks
     stop: Optional[str]    # why the run stops after this step
+    held: bool = False     # a save due, held while an upload is tried again: owed to the next step
 
     @property
     def read_now(self) -> bool:
@@ -58,15 +59,17 @@ class AfterStep:
 
 
 def after_step(cfg: TrainConfig, step: int, decision: policy_lib.Decision, probing: bool,
-               scoring: bool) -> AfterStep:
+               scoring: bool, owed: bool = False) -> AfterStep:
     """Saves every save_every steps, by time (the decision) and at the end of the run (at
     max_steps or a stop); probes every probe_every steps; held-out scores every eval_every
-    steps and at max_steps."""
+    steps and at max_steps. A save due while the decision holds saves (an upload tried
+    again) is owed: made at the first step after the hold (`owed`), or at the end."""
     final = bool(decision.stop) or step == cfg.max_steps
+    due = step % cfg.save_every == 0 or decision.save or owed
+    held = due and not final and decision.hold_saves is not None
     return AfterStep(probe=probing and step % cfg.probe_every == 0,
                      eval=scoring and (step % cfg.eval_every == 0 or step == cfg.max_steps),
-                     save=step % cfg.save_every == 0 or decision.save or final,
-                     final=final, stop=decision.stop)
+                     save=final or (due and not held), final=final, stop=decision.stop, held=held)
 
 
 def run(plan: Plan, progress: bool = True, log=print, mirror=None) -> dict:
@@ -178,6 +181,7 @@ class _Trainer:
             log(f"{compile_note}...")
         self.policy = policy_lib.StopSavePolicy(cfg.save_every_minutes, deadline, policy_lib.exchange_for_run())
         self.pending = None   # (step, device metrics) of the step in flight
+        self.owed = False     # a save due was held (an upload tried again): made at the first step after
         self.last = {}
         self.t_prev = time.time()
 
@@ -230,6 +234,7 @@ class _Trainer:
         """Periodic saves write in the background; the last one (end, signal, deadline) blocks."""
         self.ckpt.save(self.state, self.meta(), block=final)
         self.policy.saved()
+        self.owed = False   # a save held before is made (a growth's)
 
     def read_pending(self) -> dict:
         """The record of the step in flight: its metrics read from the device (waiting for it),
@@ -288,9 +293,15 @@ class _Trainer:
             if m["step"] % cfg.log_every == 0:
                 self.rd.write_metrics(m)
         self.pending = (self.step, device_metrics)
+        self.ckpt.check_upload()
         # Time, signals and the save in flight: decided by process 0, the same everywhere.
         agreed = self.policy.at_step(self.step, signal, self.ckpt, self.meter.step_seconds)
-        after = after_step(cfg, self.step, agreed, self.prober is not None, self.held_out is not None)
+        after = after_step(cfg, self.step, agreed, self.prober is not None, self.held_out is not None, self.owed)
+        if after.held and not self.owed and self.lead:
+            self.log(f"note: step {self.step} is not saved yet: the upload of step {agreed.hold_saves} to "
+                     f"{self.rd.mirror.url} is being tried again; training goes on, and the save is made once "
+                     "that upload is through")
+        self.owed = after.held
         if after.read_now:
             m = self.read_pending()
             if after.probe:

@@ -10,7 +10,11 @@ here, once per step, for every process:
   (the other processes' clocks are never read);
 - a stop for SIGTERM or SIGINT received by ANY process;
 - finishing the background save that process 0 sees committed (its retention deletes
-  old steps, which is collective too).
+  old steps, which is collective too);
+- holding the saves while a process's upload of a step to the run's store failed and waits
+  to be tried again (any process: each uploads its part): training goes on, and the saves
+  due meanwhile wait for the first step after it (the last save of a run waits for the
+  upload instead).
 
 Process 0 decides; each process gets the decision of each step before acting on it. In a
 one-process run nothing is exchanged: the decision is that process's own view. A process
@@ -44,6 +48,7 @@ class Vote:
     timed_save: bool = False       # save_every_minutes have passed since the last save
     deadline: bool = False         # two more steps and a save would not fit before the deadline
     committed: bool = False        # the background save has committed: finish it now
+    uploading_again: Optional[int] = None   # the step whose upload (this process's) waits to be tried again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,7 @@ class Decision:
     save: bool = False               # a time-based save after this step
     stop: Optional[str] = None       # why the run saves and stops after this step
     finish_save: bool = False        # finish the committed background save (checksums, retention, manifest)
+    hold_saves: Optional[int] = None   # the step whose upload a process tries again: start no save but a last
 
     def encode(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -63,8 +69,9 @@ class Decision:
 
 def decide(votes: Sequence[Vote]) -> Decision:
     """votes[i] is process i's. The clock and the save in flight are process 0's; a signal
-    counts from any process (the lowest-numbered one names it). A signal goes before the
-    deadline, as the reason given."""
+    counts from any process (the lowest-numbered one names it), and so does an upload tried
+    again, which holds the saves and the finishing of a committed one (it waits for the
+    upload before it). A signal goes before the deadline, as the reason given."""
     lead = votes[0]
     stop = None
     for i, v in enumerate(votes):
@@ -73,7 +80,8 @@ def decide(votes: Sequence[Vote]) -> Decision:
             break
     if stop is None and lead.deadline:
         stop = "deadline near"
-    return Decision(save=lead.timed_save, stop=stop, finish_save=lead.committed)
+    hold = next((v.uploading_again for v in votes if v.uploading_again is not None), None)
+    return Decision(save=lead.timed_save, stop=stop, finish_save=lead.committed and hold is None, hold_saves=hold)
 
 
 class Alone:
@@ -105,9 +113,11 @@ class Gathered:
 class KeyValueExchange:
     """Agreement through the key-value store of JAX's coordination service: host to host,
     no device work, so the device queue is never drained for it. A process that received a
-    signal writes it once under `signal/<process>`; process 0 reads that directory each
-    step, decides, and writes the step's decision; the other processes wait for it. Per
-    step: two small requests from process 0, one from each other process."""
+    signal writes it once under `said/signal/<process>`, and the step whose upload it tries
+    again under `said/upload/<process>` while it does; process 0 reads `said/` each step,
+    decides, and writes the step's decision; the other processes wait for it. Per step: two
+    small requests from process 0, one from each other process (and one as its upload
+    starts or ends being tried again)."""
     alone = False
     _instances = 0   # each run in a process gets its own keys (the same count on every process)
 
@@ -117,6 +127,7 @@ class KeyValueExchange:
         KeyValueExchange._instances += 1
         self.prefix = f"fractus_jax/policy/{name or KeyValueExchange._instances}"
         self._signal_sent = False
+        self._upload_said: Optional[int] = None
 
     def _key(self, step: int) -> str:
         return f"{self.prefix}/step/{step // WINDOW}/{step}"
@@ -124,13 +135,23 @@ class KeyValueExchange:
     def agree(self, step: int, vote: Vote) -> Decision:
         if not self.lead:
             if vote.signal and not self._signal_sent:
-                self.client.key_value_set(f"{self.prefix}/signal/{self.index}", vote.signal)
+                self.client.key_value_set(f"{self.prefix}/said/signal/{self.index}", vote.signal)
                 self._signal_sent = True
+            if vote.uploading_again != self._upload_said:
+                key = f"{self.prefix}/said/upload/{self.index}"
+                if vote.uploading_again is None:
+                    self.client.key_value_delete(key)
+                else:
+                    self.client.key_value_set(key, str(vote.uploading_again), allow_overwrite=True)
+                self._upload_said = vote.uploading_again
             return Decision.decode(self._wait(self._key(step)))
-        signals = {}
-        for key, value in self.client.key_value_dir_get(f"{self.prefix}/signal/"):
-            signals[int(key.rstrip("/").rsplit("/", 1)[1])] = value
-        votes = [vote] + [Vote(signal=signals.get(i)) for i in range(1, self.count)]
+        said = {"signal": {}, "upload": {}}
+        for key, value in self.client.key_value_dir_get(f"{self.prefix}/said/"):
+            kind, index = key.rstrip("/").rsplit("/", 2)[1:]
+            said[kind][int(index)] = value
+        votes = [vote] + [Vote(signal=said["signal"].get(i),
+                               uploading_again=int(said["upload"][i]) if i in said["upload"] else None)
+                          for i in range(1, self.count)]
         decision = decide(votes)
         self.client.key_value_set(self._key(step), decision.encode())
         if step % WINDOW == 0 and step // WINDOW >= 2:
@@ -212,18 +233,22 @@ class StopSavePolicy:
         self.last_save = clock()
 
     def at_step(self, step: int, signal: Optional[str], ckpt, step_seconds: Optional[float]) -> Decision:
-        """ckpt: `poll()` (one process), `committed()`, `wait()`, `save_seconds()`."""
+        """ckpt: `poll()` (one process), `committed()`, `wait()`, `save_seconds()`,
+        `uploading_again()`. A save finished waits for the upload before it: while that one
+        is tried again, a committed save stays unfinished."""
         committed = False
+        held = ckpt.uploading_again()
         if self.exchange.alone:
-            ckpt.poll()   # its own view is the agreed one: finish a committed save right away
+            if held is None:
+                ckpt.poll()   # its own view is the agreed one: finish a committed save right away
         elif self.exchange.lead:
             committed = ckpt.committed()
-        vote = Vote(signal=signal)
+        vote = Vote(signal=signal, uploading_again=held)
         if self.exchange.lead:
             timed = self.save_every_minutes > 0 and clock() - self.last_save >= 60 * self.save_every_minutes
             near = self.deadline is not None and (
                 clock() + deadline_margin(step_seconds, ckpt.save_seconds()) >= self.deadline)
-            vote = Vote(signal=signal, timed_save=timed, deadline=near, committed=committed)
+            vote = Vote(signal=signal, timed_save=timed, deadline=near, committed=committed, uploading_again=held)
         decision = self.exchange.agree(step, vote)
         if decision.finish_save:
             ckpt.wait()

@@ -20,7 +20,8 @@ ones left in the store (`Mirror.deferred`: retention counts them, and a resume t
 every stage step fetches them); a step the store does not hold as committed (an upload that
 was cut) is deleted from the store, and a stage step the store lacks is moved aside to
 STAGE/unpushed/; a step the stage held already whose copy fails its checks is fetched again
-(the store's is the one committed); a pull the store fails is tried again (`Tries`). After
+(the store's is the one committed); a pull the store fails is tried again (`Tries`), each
+try fetching the files the tries before did not receive whole, until the run's deadline. After
 each local commit (checksums and manifest written) the step is uploaded in a background
 thread: its files, the logs, then committed.json, then the manifest; retention and rejections
 are then mirrored. Once a step's upload has settled, the next save drops it from the stage: a
@@ -28,9 +29,11 @@ stage holds the step just saved and the newest good one, the run's older steps b
 store's alone (`Mirror.deferred` again). A store is never asked to append, rename or lock:
 every object is written whole by one PUT. The next save, and the end of the run, wait for the
 upload. An upload that fails is tried again while training goes on, each try going on from
-where the last stopped (TRY_WAITS), and stops the run with the step the store holds once
+where the last stopped (TRY_WAITS); meanwhile no save is made but the run's last
+(`Mirror.trying_again`, `policy`), and it stops the run with the step the store holds once
 TRIES_SECONDS have passed since its first failure or the run's deadline leaves no time for
-another try, or at once when the lease is lost. The deadline's margin counts the upload
+another try, or at once when the lease is lost. A call to the store under way at the
+deadline is cut there (`Store.deadline`). The deadline's margin counts the upload
 (`Mirror.push_seconds`).
 
 Several processes (hosts that share no disk) each stage the run in STAGE/process-<k> and
@@ -60,6 +63,7 @@ google-cloud-storage, the client gcsfs itself installs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import concurrent.futures
 import contextlib
@@ -126,6 +130,9 @@ CONNECT_SECONDS = 10.0
 # and TCP's own retries end only for data never acknowledged. TCP_USER_TIMEOUT (Linux) ends a
 # connection whose sent data stays unacknowledged, or whose window stays shut, this long.
 SEND_SECONDS = 30.0
+# A run with a deadline cuts each call to the store there (the pod ends then); one made after
+# it (the lease let go as the run stops) is given this long.
+DEADLINE_GRACE_SECONDS = 5.0
 
 # scheme -> (the module fsspec needs for it, the extra that installs it); None: not served yet
 SCHEMES = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gs")}
@@ -238,11 +245,21 @@ async def _connector():
     return aiohttp.TCPConnector(socket_factory=_socket)
 
 
+def _quiet_orphans(loop, context) -> None:
+    """fsspec's loop: the store's failures of the requests a call cut at the deadline left
+    running are said by the call's own error, not by asyncio's traceback at exit."""
+    error = context.get("exception")
+    if context.get("message") == "Task exception was never retrieved" and error is not None and store_failed(error):
+        return
+    loop.default_exception_handler(context)
+
+
 def _filesystem(scheme: str):
     # installed with the s3 and gs extras: imported only when a URL is used
     import aiohttp
     import fsspec
     import fsspec.asyn
+    fsspec.asyn.get_loop().set_exception_handler(_quiet_orphans)
     # no listings cache: the store changes under this client (another process's part of a
     # step, a run read while it trains), and a cached listing would hide that
     common = {"skip_instance_cache": True, "use_listings_cache": False}
@@ -283,6 +300,8 @@ class Store:
         self.bucket = self.root.split("/", 1)[0]
         self.fs = _filesystem(self.scheme)
         self._gcs = None   # gs://: google-cloud-storage's bucket, for `replace`
+        # a run's deadline (unix seconds; None: none): a call under way is cut there (`_call`)
+        self.deadline: Optional[float] = None
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *[p.strip("/") for p in parts if p]])
@@ -296,10 +315,10 @@ class Store:
         bucket only when the prefix holds nothing (a new run, or no bucket)."""
         try:
             try:
-                self.fs.ls(self.root, detail=False, refresh=True)
+                self._call("ls", self.root, detail=False, refresh=True)
             except FileNotFoundError:   # an empty prefix, or no bucket
                 try:
-                    self.fs.ls(self.bucket, detail=False, refresh=True)
+                    self._call("ls", self.bucket, detail=False, refresh=True)
                 except PermissionError:
                     pass   # a key that may list its prefix only: the bucket is there
         except FileNotFoundError:
@@ -330,7 +349,7 @@ class Store:
         """The object exists, as far as the credentials may see (a key allowed only its own
         prefix is refused a look outside it)."""
         try:
-            return self.fs.exists(path)
+            return self._call("exists", path)
         except PermissionError:
             return False
 
@@ -339,21 +358,21 @@ class Store:
         return f" at {endpoint}" if endpoint else ""
 
     def exists(self, *parts: str) -> bool:
-        return self.fs.exists(self.path(*parts))
+        return self._call("exists", self.path(*parts))
 
     def read(self, *parts: str) -> bytes:
-        return self.fs.cat_file(self.path(*parts))
+        return self._call("cat_file", self.path(*parts))
 
     def write(self, data: bytes, *parts: str) -> None:
         """One PUT of the whole object."""
-        self.fs.pipe_file(self.path(*parts), data)
+        self._call("pipe_file", self.path(*parts), data)
 
     # Conditional PUTs, the lease's: an object's version is its VERSION_FIELD.
 
     def version(self, *parts: str) -> Optional[str]:
         """The object's version; None when it does not exist."""
         try:
-            info = self.fs.info(self.path(*parts), refresh=True)
+            info = self._call("info", self.path(*parts), refresh=True)
         except FileNotFoundError:
             return None
         version = info.get(VERSION_FIELD[self.scheme])
@@ -362,7 +381,7 @@ class Store:
     def create(self, data: bytes, *parts: str) -> str:
         """A PUT that only creates (If-None-Match: *, ifGenerationMatch=0): FileExistsError
         when the object exists. Returns its version."""
-        answer = self.fs.pipe_file(self.path(*parts), data, mode="create")
+        answer = self._call("pipe_file", self.path(*parts), data, mode="create")
         return self._version_of(answer, parts)
 
     def replace(self, data: bytes, version: str, *parts: str) -> str:
@@ -370,7 +389,7 @@ class Store:
         OSError when it is at another one (or gone). Returns its new version."""
         if self.scheme == "gs":
             return self._gcs_replace(data, version, parts)
-        answer = self.fs.pipe_file(self.path(*parts), data, IfMatch=version)   # s3fs: OSError when refused
+        answer = self._call("pipe_file", self.path(*parts), data, IfMatch=version)   # s3fs: OSError when refused
         return self._version_of(answer, parts)
 
     def _version_of(self, answer, parts) -> str:
@@ -386,7 +405,9 @@ class Store:
             if self._gcs is None:
                 self._gcs = storage.Client().bucket(self.bucket)
             blob = self._gcs.blob(self.path(*parts).split("/", 1)[1])
-            blob.upload_from_string(data, if_generation_match=int(version))
+            seconds = self._bound()
+            blob.upload_from_string(data, if_generation_match=int(version),
+                                    **({"timeout": seconds} if seconds is not None else {}))
         except (exceptions.GoogleAPIError, auth_exceptions.GoogleAuthError) as e:
             raise OSError(f"{type(e).__name__}: {e}") from None
         return str(blob.generation)
@@ -395,7 +416,7 @@ class Store:
         """The names directly under a prefix ([] when none)."""
         try:
             return sorted(p.rstrip("/").rsplit("/", 1)[-1]
-                          for p in self.fs.ls(self.path(*parts), detail=False, refresh=True))
+                          for p in self._call("ls", self.path(*parts), detail=False, refresh=True))
         except FileNotFoundError:
             return []
 
@@ -403,7 +424,7 @@ class Store:
         """{path relative to the prefix: size} of every object under it."""
         base = self.path(*parts)
         try:
-            found = self.fs.find(base, detail=True, withdirs=False)
+            found = self._call("find", base, detail=True, withdirs=False)
         except FileNotFoundError:
             return {}
         return {p[len(base) + 1:]: int(info.get("size", 0)) for p, info in found.items() if p.startswith(base + "/")}
@@ -411,29 +432,51 @@ class Store:
     def remove(self, *parts: str) -> None:
         files = list(self.files(*parts))
         if files:
-            self.fs.rm([self.path(*parts, f) for f in files])
+            self._call("rm", [self.path(*parts, f) for f in files])
 
     def delete(self, *parts: str) -> None:
         """One object."""
-        self.fs.rm(self.path(*parts))
+        self._call("rm", self.path(*parts))
 
     def copy(self, src: tuple[str, ...], dst: tuple[str, ...]) -> None:
         """One object, copied inside the store."""
-        self.fs.copy(self.path(*src), self.path(*dst))
+        self._call("copy", self.path(*src), self.path(*dst))
 
     def put(self, local: list[Path], remote: list[str], transfer: Optional[transfer_lib.Transfer] = None) -> None:
         """Files to objects; `transfer` counts the bytes sent."""
         if local:
-            self.fs.put([str(p) for p in local], [self.path(r) for r in remote],
-                        **({"callback": transfer} if transfer is not None else {}))
+            self._transfer("put", [str(p) for p in local], [self.path(r) for r in remote], transfer)
 
     def get(self, remote: list[str], local: list[Path], transfer: Optional[transfer_lib.Transfer] = None) -> None:
         """Objects to files; `transfer` counts the bytes received."""
         for p in local:
             p.parent.mkdir(parents=True, exist_ok=True)
         if remote:
-            self.fs.get([self.path(r) for r in remote], [str(p) for p in local],
-                        **({"callback": transfer} if transfer is not None else {}))
+            self._transfer("get", [self.path(r) for r in remote], [str(p) for p in local], transfer)
+
+    def _transfer(self, method: str, src: list[str], dst: list[str], transfer) -> None:
+        """fs.put or fs.get of many files."""
+        self._call(method, src, dst, **({"callback": transfer} if transfer is not None else {}))
+
+    def _bound(self) -> Optional[float]:
+        """The seconds a call to the store may take: to the deadline, at least
+        DEADLINE_GRACE_SECONDS; None without a deadline."""
+        return None if self.deadline is None else max(self.deadline - time.time(), DEADLINE_GRACE_SECONDS)
+
+    def _call(self, method: str, *args, **kwargs):
+        """self.fs.<method>(...), cut where a deadline is set (TimeoutError): at the deadline,
+        or DEADLINE_GRACE_SECONDS after it starts when it starts later (the lease let go as
+        the run stops). A store that holds its connections answering nothing, or a link too
+        slow for a step, keeps a call going no longer than the pod lives."""
+        seconds = self._bound()
+        if seconds is None:
+            return getattr(self.fs, method)(*args, **kwargs)
+        try:   # fsspec's own bound: the requests under way are cancelled
+            return getattr(self.fs, method)(*args, timeout=seconds, **kwargs)
+        except (TimeoutError, asyncio.TimeoutError):
+            if time.time() < self.deadline:
+                raise
+            raise TimeoutError(f"cut at the run's deadline, {policy.deadline_words(self.deadline)}") from None
 
 
 # ----------------------------------------------------------------------------- the lease
@@ -795,10 +838,20 @@ class Mirror:
         # (`fill`)
         self.left_out: dict[int, dict[str, tuple[int, str]]] = {}
         self._fills = 0   # restores whose fetches the processes agreed on (each its own key)
-        # the run's deadline (unix seconds; None: none): an upload that fails is not tried
-        # again past it, the pod ending then
-        self.deadline: Optional[float] = None
+        # the step whose upload failed and waits for another try (None: none): meanwhile the
+        # trainer starts no save but a last one, and training goes on (`policy`)
+        self.trying_again: Optional[int] = None
         self._closed = False
+
+    @property
+    def deadline(self) -> Optional[float]:
+        """The run's deadline (unix seconds; None: none), the pod ending then: the pull and an
+        upload that fail are not tried again past it, and a call to the store under way is cut there."""
+        return self.store.deadline
+
+    @deadline.setter
+    def deadline(self, deadline: Optional[float]) -> None:
+        self.store.deadline = deadline
 
     # -- start
 
@@ -834,8 +887,8 @@ class Mirror:
         """Make the stage the store's committed run: leftovers of cut uploads deleted from the
         store, stage steps the store lacks set aside, the store's steps and logs fetched. A
         store that fails meanwhile is tried again (`Tries`): each try starts over, but for the
-        steps fetched whole already."""
-        tries = Tries()
+        steps fetched whole already. The tries end before the run's deadline."""
+        tries = Tries(self.deadline)
         with self._pulling(tries):   # what the pull deletes in the store is the lease holder's
             tries.run(self._pull, f"the pull of {self.url} into {self.stage}", self.log,
                       again=(lambda: self.lease.check(renew=True)) if self.lead else None)
@@ -1076,6 +1129,12 @@ class Mirror:
     def pushing(self) -> bool:
         return self._push is not None and not self._push.done()
 
+    def check(self) -> None:
+        """Between steps: an upload whose tries ended failing raises now (`settle`), not at
+        the next save."""
+        if self._push is not None and self._push.done() and self._push.exception() is not None:
+            self.settle()
+
     def push_seconds(self) -> float:
         """The slowest of the last uploads' seconds (the guess before one is timed); twice that
         while one is in flight (a save waits for it first)."""
@@ -1087,27 +1146,31 @@ class Mirror:
         the last one stopped. The margin's time is the try that went through."""
         done: set[str] = set()
         tries = Tries(self.deadline)
-        while True:
-            started = time.time()
-            try:
-                if self.lead:
-                    self.lease.check(renew=True)
-                self._upload_step(step, files, done)
-                break
-            except Exception as e:   # noqa: BLE001 - the store, the network, the disk
-                if isinstance(e, RunDirBusy) and not isinstance(e, LeaseUnrenewed):
-                    raise   # the lease lost
-                words = failure_words(e)
-                wait = tries.failed()
-                if wait is None:
-                    raise rundir.RunDirIOError(
-                        f"cannot upload step {step} to {self.store.url_of(CHECKPOINTS, str(step))}: "
-                        f"{words}{tries.words()}; {self._store_words()}") from None
-                self._sending = None
-                self.log(f"warning: the upload of step {step} to {self.url} failed ({words}); trying again in "
-                         f"{wait:g} s while training goes on (it stops the run if it still fails "
-                         f"{tries.left():.0f} s from now)")
-                time.sleep(wait)
+        try:
+            while True:
+                started = time.time()
+                try:
+                    if self.lead:
+                        self.lease.check(renew=True)
+                    self._upload_step(step, files, done)
+                    break
+                except Exception as e:   # noqa: BLE001 - the store, the network, the disk
+                    if isinstance(e, RunDirBusy) and not isinstance(e, LeaseUnrenewed):
+                        raise   # the lease lost
+                    words = failure_words(e)
+                    wait = tries.failed()
+                    if wait is None:
+                        raise rundir.RunDirIOError(
+                            f"cannot upload step {step} to {self.store.url_of(CHECKPOINTS, str(step))}: "
+                            f"{words}{tries.words()}; {self._store_words()}") from None
+                    self._sending = None
+                    self.trying_again = step
+                    self.log(f"warning: the upload of step {step} to {self.url} failed ({words}); trying again in "
+                             f"{wait:g} s while training goes on (it stops the run if it still fails "
+                             f"{tries.left():.0f} s from now)")
+                    time.sleep(wait)
+        finally:
+            self.trying_again = None
         if tries.count:
             self.log(f"note: step {step} is uploaded to {self.url} (try {tries.count + 1})")
         self._pushes.append(time.time() - started)
@@ -1309,13 +1372,18 @@ def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path
     are; the rest are fetched into a temporary directory, checked against `files`, and moved
     in only once all are here. A step only ever gains whole files: a command reading it
     meanwhile reads what it read before, and a fetch cut short leaves it as it was (and a
-    leftover removed at the next start)."""
+    leftover removed at the next start). The files a fetch cut short received whole stay in
+    its temporary directory: this process's next fetch of the step (a try again) fetches the
+    others only."""
     dst = checkpoints / str(step)
     held = _step_files(dst) if dst.is_dir() else {}
     kept = {n: size for n, size in held.items() if files.get(n) == size}
-    names = sorted(set(files) - set(kept))
     tmp = checkpoints / f"{step}{PULL_TMP}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    left = _step_files(tmp) if tmp.is_dir() else {}   # a try cut short: the files that came whole stay
+    came = {n: size for n, size in left.items() if files.get(n) == size and n not in kept}
+    for n in set(left) - set(came):   # cut short themselves: fetched again
+        (tmp / n).unlink()
+    names = sorted(set(files) - set(kept) - set(came))
     t0 = time.time()
     size = sum(files[n] for n in names)
     checkpoints.mkdir(parents=True, exist_ok=True)
@@ -1326,9 +1394,11 @@ def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path
                               "or put it on a larger disk (the trainer's --stage DIR; FRACTUS_CACHE=DIR for the "
                               "read cache)")
     log(f"pulling step {step} ({size / 1e6:.1f} MB) from {store.url_of(CHECKPOINTS, str(step))}"
-        + (f"; {len(kept)} of its files are here already" if kept else ""))
+        + (f"; {len(kept)} of its files are here already" if kept else "")
+        + (f"; {len(came)} came whole in the try before" if came else ""))
     store.get([f"{CHECKPOINTS}/{step}/{n}" for n in names], [tmp / n for n in names],
               transfer_lib.Transfer(size, f"pulling step {step}", log))
+    names = sorted({*names, *came})
     got = _step_files(tmp) if names else {}
     if got != {n: files[n] for n in names}:
         wrong = sorted(n for n in set(names) | set(got) if got.get(n) != files.get(n))
@@ -1556,15 +1626,18 @@ def write_commit(store: Store, step: int, files: dict[str, int]) -> None:
     store.write(json.dumps({"step": step, "files": files}, sort_keys=True).encode(), CHECKPOINTS, str(step), COMMITTED)
 
 
-def open_mirror(url: str, stage=None, log: Log = print) -> Mirror:
+def open_mirror(url: str, stage=None, log: Log = print, deadline: Optional[float] = None) -> Mirror:
     """The mirror of a URL's run, lease taken and stage pulled (CheckpointError when it cannot).
     In a run of several processes each stages in STAGE/process-<k>, and none trains before
-    every stage is pulled."""
+    every stage is pulled. deadline: the run's (unix seconds), which the pull's tries end
+    before, as the uploads' do."""
     stage = Path(stage if stage is not None else default_stage(url))
     index, count = jax.process_index(), jax.process_count()
+    mirror = Mirror(url, stage if count == 1 else stage / f"process-{index}", log, index, count)
+    mirror.deadline = deadline
+    mirror.open()
     if count == 1:
-        return Mirror(url, stage, log).open()
-    mirror = Mirror(url, stage / f"process-{index}", log, index, count).open()
+        return mirror
     # a barrier of the coordination service, not of the devices: process 0 comes to it later
     # (the lease), and a first device collective gives up when the processes are far apart
     policy.runtime_client().wait_at_barrier("fractus_jax: every stage pulled", policy.WAIT_MS)
