@@ -445,18 +445,16 @@ class Store:
     def put(self, local: list[Path], remote: list[str], transfer: Optional[transfer_lib.Transfer] = None) -> None:
         """Files to objects; `transfer` counts the bytes sent."""
         if local:
-            self._transfer("put", [str(p) for p in local], [self.path(r) for r in remote], transfer)
+            self._call("put", [str(p) for p in local], [self.path(r) for r in remote],
+                       **({"callback": transfer} if transfer is not None else {}))
 
     def get(self, remote: list[str], local: list[Path], transfer: Optional[transfer_lib.Transfer] = None) -> None:
         """Objects to files; `transfer` counts the bytes received."""
         for p in local:
             p.parent.mkdir(parents=True, exist_ok=True)
         if remote:
-            self._transfer("get", [self.path(r) for r in remote], [str(p) for p in local], transfer)
-
-    def _transfer(self, method: str, src: list[str], dst: list[str], transfer) -> None:
-        """fs.put or fs.get of many files."""
-        self._call(method, src, dst, **({"callback": transfer} if transfer is not None else {}))
+            self._call("get", [self.path(r) for r in remote], [str(p) for p in local],
+                       **({"callback": transfer} if transfer is not None else {}))
 
     def _bound(self) -> Optional[float]:
         """The seconds a call to the store may take: to the deadline, at least
@@ -887,7 +885,8 @@ class Mirror:
         """Make the stage the store's committed run: leftovers of cut uploads deleted from the
         store, stage steps the store lacks set aside, the store's steps and logs fetched. A
         store that fails meanwhile is tried again (`Tries`): each try starts over, but for the
-        steps fetched whole already. The tries end before the run's deadline."""
+        steps and the files fetched whole already (`fetch_step`). The tries end before the
+        run's deadline."""
         tries = Tries(self.deadline)
         with self._pulling(tries):   # what the pull deletes in the store is the lease holder's
             tries.run(self._pull, f"the pull of {self.url} into {self.stage}", self.log,
@@ -1057,7 +1056,7 @@ class Mirror:
         are none."""
         if not self.deferred:
             return False
-        tries = Tries()
+        tries = Tries(self.deadline)
         with self._pulling(tries):
             records = tries.run(lambda: store_steps(self.store), f"the read of {self.url}", self.log)
             for step in sorted(self.deferred, reverse=True):
