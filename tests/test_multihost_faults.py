@@ -34,6 +34,8 @@ HOOK = textwrap.dedent("""
     from fractus_jax.train.__main__ import main
     offset, rate, sigterm_after, every_process_caches = {offset!r}, {rate!r}, {sigterm_after!r}, {cache!r}
     restore_fails_at, held_at, tries_seconds = {restore_fails_at!r}, {held_at!r}, {tries_seconds!r}
+    more_env, paused_uploading = {env!r}, {paused_uploading!r}
+    os.environ.update(more_env)
     if every_process_caches:
         # JAX writes compilation cache entries from process 0 only, and each process's
         # programs have keys of their own: process 1's would never be found. No public
@@ -78,6 +80,16 @@ HOOK = textwrap.dedent("""
                     time.sleep(0.05)
             return put(self, local, remote, transfer)
         store.Store.put = put_once_the_test_says
+    if paused_uploading is not None:   # the first step with an upload in flight waits for the test
+        at_step_unpaused = policy.StopSavePolicy.at_step
+        def at_step_paused(self, step, signal_, ckpt, *args):
+            if ckpt.mirror is not None and ckpt.mirror.pushing() and not os.path.exists(paused_uploading + ".go"):
+                open(paused_uploading, "w").close()
+                t = time.time()
+                while not os.path.exists(paused_uploading + ".go") and time.time() - t < 120:
+                    time.sleep(0.05)
+            return at_step_unpaused(self, step, signal_, ckpt, *args)
+        policy.StopSavePolicy.at_step = at_step_paused
     if tries_seconds is not None:   # an upload that fails is tried again for this long only
         store.TRIES_SECONDS = tries_seconds
     sys.exit(main(sys.argv[1:]))
@@ -93,8 +105,10 @@ def _free_port() -> int:
 def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, args=(), each=None, env=None):
     """The two processes, started. hooks: {process: dict(offset=, rate=, sigterm_after=,
     restore_fails_at=, held_at=(step, marker path): the process's first upload of the step's
-    files creates the marker and waits for the file marker + ".go"; tries_seconds=:
-    store.TRIES_SECONDS)}.
+    files creates the marker and waits for the file marker + ".go"; paused_uploading=marker
+    path: the process's first step that finds its upload in flight creates the marker and
+    waits for marker + ".go" before the policy's decision; tries_seconds=:
+    store.TRIES_SECONDS; env=: variables set in the process alone)}.
     logs: a directory for their stderr (err0.txt, err1.txt; otherwise pipes, to be read
     while they run). cache: a persistent compilation cache directory that both processes
     read and write (each its own entries), or None for none. A cache that one process finds
@@ -118,7 +132,7 @@ def start(workdir, corpus_file, overrides, hooks=None, logs=None, cache=None, ar
     procs = []
     for i in range(2):
         hook = {"offset": 0.0, "rate": 1.0, "sigterm_after": None, "restore_fails_at": None, "held_at": None,
-                "tries_seconds": None, **hooks.get(i, {}), "cache": cache is not None}
+                "tries_seconds": None, "env": {}, "paused_uploading": None, **hooks.get(i, {}), "cache": cache is not None}
         procs.append(subprocess.Popen(
             [sys.executable, "-c", HOOK.format(**hook), "--no-progress", "--config", "tiny",
              "--workdir", str(workdir), *sets, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",

@@ -236,6 +236,56 @@ def test_two_processes_through_a_store_down_inside_an_upload_lose_nothing(down, 
         server.close()
 
 
+def test_process_1_s_upload_tried_again_holds_both_processes_saves_and_training_goes_on(corpus_file, tmp_path,
+                                                                                         monkeypatch):
+    """Process 1 alone reaches the store through a relay, cut as it sends its files of step 4:
+    its upload fails and is tried again, process 0's own upload waits for those files. The
+    saves due meanwhile (every 4 steps) are held on both processes, agreed through the
+    coordination service from process 1's word, and training goes on; once the relay is back
+    the held save is made, and the run ends at step 16 bit for bit as on a shared disk."""
+    server = S3Server()
+    try:
+        relay = Relay(server.port)
+        url = f"s3://{server.bucket('hosts')}/run"
+        run = ["max_steps=16", "save_every=4"]
+        sent, paused = tmp_path / "sent", tmp_path / "paused"
+        procs = start(url, corpus_file, run, logs=tmp_path, each=stages(tmp_path, "a"),
+                      env=child_env(server.env()),
+                      hooks={0: {"paused_uploading": str(paused)},
+                             1: {"held_at": (4, str(sent)), "env": {"AWS_ENDPOINT_URL": relay.endpoint}}})
+        # Process 1's files of step 4 wait to be sent, process 0 at its next step: cut, and
+        # process 0 goes on once process 1's upload has failed.
+        wait_for(lambda: sent.exists() and paused.exists(), 400, procs, tmp_path)
+        relay.cut()
+        Path(f"{sent}.go").touch()
+        failed = f"warning: the upload of step 4 to {url} failed ("
+        wait_for(lambda: failed in (tmp_path / "err1.txt").read_text(), 200, procs, tmp_path)
+        Path(f"{paused}.go").touch()
+        held = re.compile(rf"note: step (8|12) is not saved yet: the upload of step 4 to {re.escape(url)} is "
+                          "being tried again; training goes on")
+        wait_for(lambda: held.search((tmp_path / "err0.txt").read_text()), 200, procs, tmp_path)
+        relay.restore()
+        codes, errs = ended(procs, tmp_path)
+        assert codes == [0, 0], [e[-3000:] for e in errs]
+        assert re.search(rf"note: step 4 is uploaded to {re.escape(url)} \(try [2-9]\)", errs[1]), errs[1][-3000:]
+        keys = server.keys("hosts", "run/")
+        committed = sorted(int(k.split("/")[2]) for k in keys if k.endswith("/" + store.COMMITTED))
+        assert committed[0] == 4 and committed[-1] == 16 and "run/lease.json" not in keys, keys
+        steps = [json.loads(line)["step"] for line in server.read("hosts", "run/metrics.jsonl").decode().splitlines()]
+        assert steps == list(range(1, 17)), steps
+
+        shared = tmp_path / "shared"
+        launch(shared, corpus_file, run, env=child_env(server.env()))
+        monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+        set_env(monkeypatch, server.env())
+        (a, meta_a), (b, meta_b) = restore_state(store.readable(url, log=lambda m: None)), restore_state(shared)
+        assert meta_a["step"] == meta_b["step"] == 16 and meta_a["start_token_next"] == meta_b["start_token_next"]
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("how", ["error", "kill"])
 def test_a_process_ended_by_its_watchdog_lets_the_lease_go(how, corpus_file, tmp_path):
     """Process 0, which holds the run's lease, is ended by its watchdog (no `finally` of the
