@@ -24,14 +24,18 @@ from fractus_jax.train.policy import DEADLINE_SLACK_SECONDS, Decision, StopSaveP
 
 
 class FakeCheckpointer:
-    def __init__(self, committed_at=(), save_seconds=1.0, uploading_again=None):
+    def __init__(self, committed_at=(), save_seconds=1.0, uploading_again=None, uploading=None):
         self.committed_at, self._save_seconds = set(committed_at), save_seconds
-        self.uploading = uploading_again or {}   # step -> the step whose upload is tried again then
+        self.again = uploading_again or {}   # step -> the step whose upload is tried again then
+        self.sending = uploading or {}       # step -> the step whose upload is in flight then
         self.step = None
         self.calls = []
 
+    def uploading(self):
+        return self.sending.get(self.step, self.again.get(self.step))
+
     def uploading_again(self):
-        return self.uploading.get(self.step)
+        return self.again.get(self.step)
 
     def poll(self):
         self.calls.append(("poll", self.step))
@@ -90,6 +94,13 @@ def test_any_process_s_upload_tried_again_holds_the_saves_and_the_finish_of_one(
     assert decide([Vote(committed=True), Vote()]) == Decision(finish_save=True)
 
 
+def test_any_process_s_upload_in_flight_holds_the_finish_of_a_save_but_not_the_saves():
+    assert decide([Vote(committed=True, uploading=4)]) == Decision()
+    assert decide([Vote(committed=True), Vote(uploading=4)]) == Decision()
+    assert decide([Vote(committed=True, timed_save=True), Vote(), Vote(uploading=4)]) == Decision(save=True)
+    assert decide([Vote(committed=True), Vote(), Vote()]) == Decision(finish_save=True)
+
+
 def test_a_decision_travels_as_text():
     d = Decision(save=True, stop="SIGTERM received by process 1", finish_save=True, hold_saves=4)
     assert Decision.decode(d.encode()) == d
@@ -118,7 +129,18 @@ def test_a_save_is_not_finished_while_the_upload_before_it_is_tried_again(clock)
     ck = FakeCheckpointer(uploading_again={2: 4, 3: 4})
     for step in (1, 2, 3, 4):
         ck.step = step
-        assert p.at_step(step, None, ck, 0.5).hold_saves == ck.uploading.get(step)
+        assert p.at_step(step, None, ck, 0.5).hold_saves == ck.again.get(step)
+    assert ck.calls == [("poll", 1), ("poll", 4)]
+
+
+def test_a_save_is_not_finished_while_the_upload_before_it_is_in_flight(clock):
+    """A slow upload: the committed save is finished once the upload before it has ended,
+    rather than wait for it; no save is held."""
+    p = StopSavePolicy(save_every_minutes=0, deadline=None)
+    ck = FakeCheckpointer(uploading={2: 2, 3: 2})
+    for step in (1, 2, 3, 4):
+        ck.step = step
+        assert p.at_step(step, None, ck, 0.5) == Decision()
     assert ck.calls == [("poll", 1), ("poll", 4)]
 
 
@@ -231,10 +253,12 @@ class ThreadGather:
         return gather
 
 
-def run_processes(make_exchange, signals, committed_at=(), steps=8, n=2, clock_step=None, uploading_again=None):
+def run_processes(make_exchange, signals, committed_at=(), steps=8, n=2, clock_step=None, uploading_again=None,
+                  uploading=None):
     """Each "process" a thread running the policy for `steps` steps; signals[i] = (step, name)
     received by process i; uploading_again[i]: {step: the step whose upload process i tries
-    again then}. Returns each one's decisions and its checkpointer's calls."""
+    again then}; uploading[i]: {step: the step whose upload process i has in flight then}.
+    Returns each one's decisions and its checkpointer's calls."""
     out, errors = {}, []
     # The train step is collective: no process runs a step ahead of the others' dispatch.
     # The last save is too: all have read every decision before process 0 cleans up.
@@ -243,7 +267,8 @@ def run_processes(make_exchange, signals, committed_at=(), steps=8, n=2, clock_s
     def body(i):
         try:
             p = StopSavePolicy(save_every_minutes=1, deadline=None, exchange=make_exchange(i))
-            ck = FakeCheckpointer(committed_at, uploading_again=(uploading_again or {}).get(i))
+            ck = FakeCheckpointer(committed_at, uploading_again=(uploading_again or {}).get(i),
+                                  uploading=(uploading or {}).get(i))
             got, signal = [], None
             for step in range(1, steps + 1):
                 ck.step = step
@@ -312,6 +337,19 @@ def test_key_value_exchange_holds_the_saves_while_process_1_s_upload_is_tried_ag
     assert all(d.hold_saves in (None, 6) for d in d0)
     finished = [i + 1 for i, d in enumerate(d0) if d.finish_save]
     assert finished and finished[0] == held[-1] + 1 and not set(finished) & set(held), d0
+    assert client.kv == {}
+
+
+def test_key_value_exchange_finishes_a_save_once_process_1_s_upload_has_ended(clock):
+    client = FakeClient()
+    (d0, calls0), (d1, calls1) = run_processes(lambda i: policy.KeyValueExchange(client, i, 2, name="run"), {},
+                                               committed_at={3, 4, 5, 6, 7}, steps=7, uploading={1: {2: 4, 3: 4, 4: 4}})
+    assert d0 == d1 and all(d.hold_saves is None for d in d0), d0
+    # process 0 reads what process 1 said (at steps 2 and 5) at that step, or at the next one
+    finished = [i + 1 for i, d in enumerate(d0) if d.finish_save]
+    assert finished and finished[0] in (5, 6) and finished == list(range(finished[0], 8)), d0
+    for calls in (calls0, calls1):
+        assert [c[1] for c in calls if c[0] == "wait"] == finished
     assert client.kv == {}
 
 

@@ -785,7 +785,8 @@ def test_the_chunks_a_process_reads_are_those_its_shards_touch():
 
 def test_the_deadline_margin_counts_the_upload(bucket, tmp_path, straight):
     """Before an upload is timed the margin reserves the state's bytes at the stated rate; then
-    the slowest of the last uploads, twice while one is in flight."""
+    the slowest of the last uploads, for each upload owed (the last save's, an unfinished
+    save's) and the one in flight."""
     cfg6, d = straight
     state, _ = restore(d, cfg6)
     mirror = store.open_mirror(f"s3://{bucket}/run", tmp_path / "stage", log=print)
@@ -798,6 +799,7 @@ def test_the_deadline_margin_counts_the_upload(bucket, tmp_path, straight):
         assert ck.save_seconds() == pytest.approx(local.save_seconds() + whole / store.UPLOAD_BYTES_PER_SECOND)
         mirror._pushes.extend([0.5, 7.0, 1.0])
         assert ck.save_seconds() == pytest.approx(local.save_seconds() + 7.0)
+        assert mirror.push_seconds(owed=2) == pytest.approx(14.0)
         local.close()
         ck.close()
     finally:
@@ -900,6 +902,14 @@ def hook(s, step, files):
     if step == 4 and where == "after the commit":
         os.kill(os.getpid(), signal.SIGKILL)
 store.write_commit = hook
+if where == "in the pull":   # the start's fetch of step 4, once three of its files came whole
+    get = store.Store.get
+    def killed_pulling(s, remote, local, transfer=None):
+        if any(r.startswith("checkpoints/4/") for r in remote):
+            get(s, remote[:3], local[:3], transfer)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return get(s, remote, local, transfer)
+    store.Store.get = killed_pulling
 cfg = cfg_lib.TrainConfig.from_dict(args["config"])
 mirror = store.open_mirror(args["url"], args["stage"])
 loop.run(prepare_lib.prepare(cfg, args["stage"], progress=False), progress=False, log=print, mirror=mirror)
@@ -937,6 +947,36 @@ def test_a_kill_inside_an_upload_resumes_from_a_fresh_stage_bit_exact(where, res
     if where == "after the commit":
         assert f"note: step 2 left in {url} (not pulled): the resume needs step 4 alone" in logs, logs
     assert "run/lease.json" not in s3.keys(bucket, "run/")
+
+
+def test_a_start_killed_in_its_pull_goes_on_from_the_files_it_left(s3, bucket, straight, tmp_path):
+    """Pod B's start is killed as it pulls step 4, three of the step's files whole in its
+    stage; started again there, it takes over those files (each checked against the step's
+    checksums), fetches the others only, and trains to step 6 bit for bit as the run never
+    interrupted."""
+    cfg6, straight_dir = straight
+    url = f"s3://{bucket}/run"
+
+    def killed(stage, where):
+        args = {"config": cfg6.to_dict(), "url": url, "stage": str(tmp_path / stage), "where": where}
+        out = subprocess.run([sys.executable, "-c", KILLED, json.dumps(args)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=600, env=child_env(s3.env()))
+        assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+
+    killed("pod-a", "after the commit")
+    killed("pod-b", "in the pull")
+    stage = tmp_path / "pod-b"
+    files = json.loads(s3.read(bucket, "run/checkpoints/4/committed.json"))["files"]
+    left = [p for p in (stage / store.CHECKPOINTS).iterdir() if p.name.startswith(f"4{store.PULL_TMP}-")]
+    assert len(left) == 1 and len(store._step_files(left[0])) == 3, sorted((stage / store.CHECKPOINTS).iterdir())
+    came = set(store._step_files(left[0])) - {ckpt_lib.CHECKSUMS}
+    rest = (sum(files.values()) - sum(files[n] for n in came)) / 1e6
+    last, logs = train_url(cfg6, url, stage)
+    assert f"pulling step 4 ({rest:.1f} MB) from {url}/checkpoints/4; {len(came)} came whole in a fetch that did " \
+           "not finish (checked against the step's checksums)" in logs, logs
+    assert f"resumed {stage} at step 4, lane offset {4 * cfg6.seq_len}" in logs, logs
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == [2, 4, 6] and "run/lease.json" not in s3.keys(bucket, "run/")
 
 
 def ended(seconds, fn):
@@ -1094,6 +1134,40 @@ def test_training_goes_on_past_a_save_due_while_an_upload_is_tried_again(s3, buc
     assert "run/lease.json" not in s3.keys(bucket, "run/")
 
 
+def test_training_goes_on_while_an_upload_before_a_committed_save_is_slow(s3, bucket, straight, tmp_path,
+                                                                          monkeypatch):
+    """Step 2's upload is slow: its files are sent only once the run has decided step 5. Step
+    4's save has committed on the stage by then (each step waits for a save in flight to
+    commit before its decision), and its finish (checksums, retention, its own upload), which
+    would wait for step 2's upload, waits instead for a step after that upload: training goes
+    on. The run ends at step 6 as a run never interrupted."""
+    cfg6, straight_dir = straight
+    url = f"s3://{bucket}/run"
+    decided, stalled, at_step, put = threading.Event(), [], policy.StopSavePolicy.at_step, store.Store.put
+
+    def committed_first(self, step, signal, ckpt, step_seconds):
+        while ckpt.manager.is_saving_in_progress():
+            time.sleep(0.05)
+        decision = at_step(self, step, signal, ckpt, step_seconds)
+        if step == 5:
+            decided.set()
+        return decision
+
+    def slow(self, local, remote, transfer=None):
+        if any(r.startswith(f"{store.CHECKPOINTS}/2/") for r in remote) and not decided.wait(30):
+            stalled.append("step 5 was not decided while step 2 was uploaded")
+        return put(self, local, remote, transfer)
+
+    monkeypatch.setattr(policy.StopSavePolicy, "at_step", committed_first)
+    monkeypatch.setattr(store.Store, "put", slow)
+    stage = tmp_path / "pod-a"
+    last, logs = ended(300, lambda: train_url(cfg6, url, stage))
+    assert not stalled and last["step"] == 6, stalled
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == [2, 4, 6] and stage_steps(stage) == [6]
+    assert [strict(x)["step"] for x in s3.read(bucket, "run/metrics.jsonl").decode().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
 @pytest.mark.parametrize("error, again", [
     (botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), True),
     (ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed"), True),
@@ -1201,6 +1275,78 @@ def test_a_fetch_tried_again_fetches_only_the_files_that_did_not_come_whole(s3, 
     assert any(line.endswith("; 2 came whole in the try before") for line in logs), logs
     step_dir = local / store.CHECKPOINTS / "4"
     assert {str(f.relative_to(step_dir)): f.read_bytes() for f in step_dir.rglob("*") if f.is_file()} == bodies
+
+
+KILLED_IN_A_FETCH = """
+import os, signal, sys
+from pathlib import Path
+from fractus_jax.train import store
+url, step = sys.argv[1], int(sys.argv[2])
+real = store.Store.get
+def killed_after_three(self, remote, local, transfer=None):
+    if any(r.startswith(f"checkpoints/{step}/") for r in remote):
+        real(self, remote[:3], local[:3], transfer)
+        Path(local[3]).write_bytes(b"c" * 100)   # a file cut short
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, remote, local, transfer)
+store.Store.get = killed_after_three
+store.readable(f"{url}/checkpoints/{step}", log=lambda m: None)
+"""
+
+
+def test_a_fetch_after_one_killed_fetches_what_it_did_not_leave_whole(s3, bucket, tmp_path, monkeypatch):
+    """A reader on this machine is killed as it fetches step 4, once three files came whole
+    (checksums.json, params/a, params/b) and a fourth in part. The next read of step 4 takes
+    over its fetch: checksums.json comes again (the other files are checked against it), and
+    so do the file cut short and the files never sent, the store failing that first try
+    once the checksums came; params/b, changed on this disk since it came, differs from the
+    checksums and comes again. The cache ends with the step's exact bytes. A fetch of step 2
+    killed the same way is removed by the next read of another step."""
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(store, "TRY_WAITS", (0.1,))
+    client = s3.client()
+    bodies = {step: put_committed_step(client, bucket, step, {f"params/{c}": f"{c}{step}".encode() * 4096
+                                                              for c in "abcde"}) for step in (2, 4)}
+    url = f"s3://{bucket}/run"
+    checkpoints = tmp_path / "cache" / "read" / "s3" / bucket / "run" / store.CHECKPOINTS
+
+    def killed_fetching(step):
+        """The directory its fetch left."""
+        killed = subprocess.run([sys.executable, "-c", KILLED_IN_A_FETCH, url, str(step)], env=child_env(s3.env()),
+                                capture_output=True, text=True, timeout=120)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        left = [p for p in checkpoints.iterdir() if p.name.startswith(f"{step}{store.PULL_TMP}-")]
+        assert len(left) == 1, sorted(checkpoints.iterdir())
+        return left[0]
+
+    left = killed_fetching(4)
+    assert sorted(store._step_files(left)) == ["checksums.json", "params/a", "params/b", "params/c"]
+    (left / "params" / "b").write_bytes(b"x" * len(bodies[4]["params/b"]))   # damaged, its size kept
+    real, asked = store.Store.get, []
+
+    def counted(self, remote, local, transfer=None):
+        asked.append(sorted(r.split("/", 2)[2] for r in remote))
+        if len(asked) == 1:   # the store fails the first try once the checksums came
+            real(self, remote[:1], local[:1], transfer)
+            raise botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+        return real(self, remote, local, transfer)
+
+    monkeypatch.setattr(store.Store, "get", counted)
+    logs = []
+    step_dir = Path(store.readable(f"{url}/checkpoints/4", log=logs.append))
+    rest = ["checksums.json", "params/c", "params/d", "params/e"]
+    assert asked == [rest, rest[1:], ["params/b"]], asked
+    assert any(line.endswith("; 2 came whole in a fetch that did not finish (checked against the step's "
+                             "checksums)") for line in logs), logs
+    assert any(line.startswith("note: 1 of the files of step 4 that a fetch which did not finish left differ from "
+                               "its checksums (e.g. params/b)") for line in logs), logs
+    assert {str(f.relative_to(step_dir)): f.read_bytes() for f in step_dir.rglob("*") if f.is_file()} == bodies[4]
+
+    left = killed_fetching(2)
+    store.done_reading()
+    store.readable(f"{url}/checkpoints/4", log=logs.append)
+    assert f"note: removed {left}, left by a fetch that did not finish" in logs, logs
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["4"]
 
 
 @pytest.mark.parametrize("fault", ["cut", "stall"])

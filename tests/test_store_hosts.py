@@ -36,6 +36,18 @@ def stages(root, pod):
     return {i: ("--stage", str(root / f"{pod}-host{i}")) for i in range(2)}
 
 
+def same_as_on_a_shared_disk(server, url, shared, step, tmp_path, monkeypatch) -> dict:
+    """The store's run equals, bit for bit, `shared` (the same commands run on one shared
+    disk), both at `step`; returns the store's step's record."""
+    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
+    set_env(monkeypatch, server.env())
+    (a, meta_a), (b, meta_b) = restore_state(store.readable(url, log=lambda m: None)), restore_state(shared)
+    assert meta_a["step"] == meta_b["step"] == step and meta_a["start_token_next"] == meta_b["start_token_next"]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    return meta_a
+
+
 def test_two_processes_without_a_shared_disk_train_save_and_resume(served, corpus_file, tmp_path, monkeypatch):
     server, scheme = served
     bucket = server.bucket("hosts")
@@ -77,13 +89,7 @@ def test_two_processes_without_a_shared_disk_train_save_and_resume(served, corpu
     # The same run on one shared disk, never interrupted.
     shared = tmp_path / "shared"
     launch(shared, corpus_file, STRAIGHT, env=env)
-    monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
-    set_env(monkeypatch, server.env())
-    read = store.readable(url, log=lambda m: None)
-    (a, meta_a), (b, meta_b) = restore_state(read), restore_state(shared)
-    assert meta_a["step"] == meta_b["step"] == 6 and meta_a["start_token_next"] == meta_b["start_token_next"]
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    same_as_on_a_shared_disk(server, url, shared, 6, tmp_path, monkeypatch)
 
     # Pod C has one host: one process resumes the two's step 6 and saves step 8 (one
     # process's layout); then two processes, on new stages, resume from that to step 10.
@@ -120,13 +126,7 @@ def test_two_processes_resume_a_step_onto_another_mesh_fetching_what_they_read(c
         shared = tmp_path / "shared"
         launch(shared, corpus_file, first, env=env)
         launch(shared, corpus_file, moved, env=env)
-
-        monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
-        set_env(monkeypatch, server.env())
-        (a, meta_a), (b, meta_b) = restore_state(store.readable(url, log=lambda m: None)), restore_state(shared)
-        assert meta_a["step"] == meta_b["step"] == 4 and meta_a["config"]["mesh"]["fsdp"] == 8
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert same_as_on_a_shared_disk(server, url, shared, 4, tmp_path, monkeypatch)["config"]["mesh"]["fsdp"] == 8
     finally:
         server.close()
 
@@ -226,12 +226,7 @@ def test_two_processes_through_a_store_down_inside_an_upload_lose_nothing(down, 
 
         shared = tmp_path / "shared"
         launch(shared, corpus_file, STRAIGHT, env=child_env(server.env()))
-        monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
-        set_env(monkeypatch, server.env())
-        (a, meta_a), (b, meta_b) = restore_state(store.readable(url, log=lambda m: None)), restore_state(shared)
-        assert meta_a["step"] == meta_b["step"] == 6 and meta_a["start_token_next"] == meta_b["start_token_next"]
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        same_as_on_a_shared_disk(server, url, shared, 6, tmp_path, monkeypatch)
     finally:
         server.close()
 
@@ -276,12 +271,7 @@ def test_process_1_s_upload_tried_again_holds_both_processes_saves_and_training_
 
         shared = tmp_path / "shared"
         launch(shared, corpus_file, run, env=child_env(server.env()))
-        monkeypatch.setenv("FRACTUS_CACHE", str(tmp_path / "cache"))
-        set_env(monkeypatch, server.env())
-        (a, meta_a), (b, meta_b) = restore_state(store.readable(url, log=lambda m: None)), restore_state(shared)
-        assert meta_a["step"] == meta_b["step"] == 16 and meta_a["start_token_next"] == meta_b["start_token_next"]
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        same_as_on_a_shared_disk(server, url, shared, 16, tmp_path, monkeypatch)
     finally:
         server.close()
 

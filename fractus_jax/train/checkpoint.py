@@ -142,13 +142,25 @@ def gather_step_files(step_dir: Path, key: str) -> dict[str, tuple[int, str, int
     return union
 
 
+def unmatched(files_dir: Path, names, record: Optional[dict]) -> set[str]:
+    """Those of a step's files ("item/path", under files_dir) whose sha256 is not the one its
+    checksums record (`read_checksums`) gives, or that the record does not name."""
+    items = (record or {}).get("items") or {}
+    bad = set()
+    for name in names:
+        item, _, path = name.partition("/")
+        digest = items.get(item, {}).get(path)
+        if digest is None or _file_sha256(files_dir / name) != digest:
+            bad.add(name)
+    return bad
+
+
 def check_some(step_dir: Path, names) -> Optional[str]:
     """Why some of a step's files ("item/path") do not match its checksums.json, or None."""
-    items = (read_checksums(step_dir) or {}).get("items") or {}
-    for name in sorted(names):
-        item, _, path = name.partition("/")
-        if _file_sha256(step_dir / name) != items.get(item, {}).get(path):
-            return f"{item} failed its checksum ({path} differs)"
+    bad = sorted(unmatched(step_dir, names, read_checksums(step_dir)))
+    if bad:
+        item, _, path = bad[0].partition("/")
+        return f"{item} failed its checksum ({path} differs)"
     return None
 
 
@@ -401,10 +413,18 @@ class RunCheckpointer:
 
     def save_seconds(self) -> float:
         """A blocking save's expected seconds from now: the slowest of the last commit times,
-        twice that while a background save is still being written (a save waits for it first);
-        for a run on object storage, with the upload to the store after it."""
+        twice that while a background save is still being written or finished (a save waits
+        for it first); for a run on object storage, with the uploads to the store after it:
+        its own, the unfinished save's, and the one in flight."""
         seconds = self.commits.seconds() * (1 if self._pending is None else 2)
-        return seconds + (self.mirror.push_seconds() if self.mirror is not None else 0.0)
+        if self.mirror is None:
+            return seconds
+        return seconds + self.mirror.push_seconds(owed=1 + (self._pending is not None))
+
+    def uploading(self) -> Optional[int]:
+        """A run on object storage: the step whose upload is in flight (a save finished now
+        would wait for it)."""
+        return None if self.mirror is None else self.mirror.uploading
 
     def uploading_again(self) -> Optional[int]:
         """A run on object storage: the step whose upload failed and waits to be tried again."""

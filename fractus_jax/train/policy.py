@@ -10,7 +10,9 @@ here, once per step, for every process:
   (the other processes' clocks are never read);
 - a stop for SIGTERM or SIGINT received by ANY process;
 - finishing the background save that process 0 sees committed (its retention deletes
-  old steps, which is collective too);
+  old steps, which is collective too), once no process's upload to the run's store is in
+  flight (the finish would wait for it: training goes on instead, and a slow link makes only
+  the next save's start wait);
 - holding the saves while a process's upload of a step to the run's store failed and waits
   to be tried again (any process: each uploads its part): training goes on, and the saves
   due meanwhile wait for the first step after it (the last save of a run waits for the
@@ -48,6 +50,7 @@ class Vote:
     timed_save: bool = False       # save_every_minutes have passed since the last save
     deadline: bool = False         # two more steps and a save would not fit before the deadline
     committed: bool = False        # the background save has committed: finish it now
+    uploading: Optional[int] = None         # the step whose upload (this process's) is in flight
     uploading_again: Optional[int] = None   # the step whose upload (this process's) waits to be tried again
 
 
@@ -56,7 +59,7 @@ class Decision:
     """The same on every process, for one step."""
     save: bool = False               # a time-based save after this step
     stop: Optional[str] = None       # why the run saves and stops after this step
-    finish_save: bool = False        # finish the committed background save (checksums, retention, manifest)
+    finish_save: bool = False        # finish the committed background save (checksums, retention, manifest, upload)
     hold_saves: Optional[int] = None   # the step whose upload a process tries again: start no save but a last
 
     def encode(self) -> str:
@@ -69,9 +72,9 @@ class Decision:
 
 def decide(votes: Sequence[Vote]) -> Decision:
     """votes[i] is process i's. The clock and the save in flight are process 0's; a signal
-    counts from any process (the lowest-numbered one names it), and so does an upload tried
-    again, which holds the saves and the finishing of a committed one (it waits for the
-    upload before it). A signal goes before the deadline, as the reason given."""
+    counts from any process (the lowest-numbered one names it), and so does an upload: one
+    in flight holds the finishing of a committed save (it waits for the upload before it),
+    one tried again holds the saves too. A signal goes before the deadline, as the reason given."""
     lead = votes[0]
     stop = None
     for i, v in enumerate(votes):
@@ -81,7 +84,8 @@ def decide(votes: Sequence[Vote]) -> Decision:
     if stop is None and lead.deadline:
         stop = "deadline near"
     hold = next((v.uploading_again for v in votes if v.uploading_again is not None), None)
-    return Decision(save=lead.timed_save, stop=stop, finish_save=lead.committed and hold is None, hold_saves=hold)
+    sending = any(v.uploading is not None or v.uploading_again is not None for v in votes)
+    return Decision(save=lead.timed_save, stop=stop, finish_save=lead.committed and not sending, hold_saves=hold)
 
 
 class Alone:
@@ -113,11 +117,11 @@ class Gathered:
 class KeyValueExchange:
     """Agreement through the key-value store of JAX's coordination service: host to host,
     no device work, so the device queue is never drained for it. A process that received a
-    signal writes it once under `said/signal/<process>`, and the step whose upload it tries
-    again under `said/upload/<process>` while it does; process 0 reads `said/` each step,
-    decides, and writes the step's decision; the other processes wait for it. Per step: two
-    small requests from process 0, one from each other process (and one as its upload
-    starts or ends being tried again)."""
+    signal writes it once under `said/signal/<process>`, and the step whose upload it has in
+    flight (and whether that one is tried again) under `said/upload/<process>` while it does;
+    process 0 reads `said/` each step, decides, and writes the step's decision; the other
+    processes wait for it. Per step: two small requests from process 0, one from each other
+    process (and one as its upload starts, fails or ends)."""
     alone = False
     _instances = 0   # each run in a process gets its own keys (the same count on every process)
 
@@ -127,7 +131,7 @@ class KeyValueExchange:
         KeyValueExchange._instances += 1
         self.prefix = f"fractus_jax/policy/{name or KeyValueExchange._instances}"
         self._signal_sent = False
-        self._upload_said: Optional[int] = None
+        self._upload_said: tuple = (None, None)
 
     def _key(self, step: int) -> str:
         return f"{self.prefix}/step/{step // WINDOW}/{step}"
@@ -137,21 +141,22 @@ class KeyValueExchange:
             if vote.signal and not self._signal_sent:
                 self.client.key_value_set(f"{self.prefix}/said/signal/{self.index}", vote.signal)
                 self._signal_sent = True
-            if vote.uploading_again != self._upload_said:
+            upload = (vote.uploading, vote.uploading_again)
+            if upload != self._upload_said:
                 key = f"{self.prefix}/said/upload/{self.index}"
-                if vote.uploading_again is None:
+                if upload == (None, None):
                     self.client.key_value_delete(key)
                 else:
-                    self.client.key_value_set(key, str(vote.uploading_again), allow_overwrite=True)
-                self._upload_said = vote.uploading_again
+                    self.client.key_value_set(key, json.dumps(upload), allow_overwrite=True)
+                self._upload_said = upload
             return Decision.decode(self._wait(self._key(step)))
         said = {"signal": {}, "upload": {}}
         for key, value in self.client.key_value_dir_get(f"{self.prefix}/said/"):
             kind, index = key.rstrip("/").rsplit("/", 2)[1:]
             said[kind][int(index)] = value
-        votes = [vote] + [Vote(signal=said["signal"].get(i),
-                               uploading_again=int(said["upload"][i]) if i in said["upload"] else None)
-                          for i in range(1, self.count)]
+        uploads = {i: json.loads(value) for i, value in said["upload"].items()}
+        votes = [vote] + [Vote(signal=said["signal"].get(i), uploading=uploads.get(i, (None, None))[0],
+                               uploading_again=uploads.get(i, (None, None))[1]) for i in range(1, self.count)]
         decision = decide(votes)
         self.client.key_value_set(self._key(step), decision.encode())
         if step % WINDOW == 0 and step // WINDOW >= 2:
@@ -234,21 +239,22 @@ class StopSavePolicy:
 
     def at_step(self, step: int, signal: Optional[str], ckpt, step_seconds: Optional[float]) -> Decision:
         """ckpt: `poll()` (one process), `committed()`, `wait()`, `save_seconds()`,
-        `uploading_again()`. A save finished waits for the upload before it: while that one
-        is tried again, a committed save stays unfinished."""
+        `uploading()`, `uploading_again()`. A save finished waits for the upload before it:
+        while that one is in flight, a committed save stays unfinished."""
         committed = False
-        held = ckpt.uploading_again()
+        sending, held = ckpt.uploading(), ckpt.uploading_again()
         if self.exchange.alone:
-            if held is None:
+            if sending is None and held is None:
                 ckpt.poll()   # its own view is the agreed one: finish a committed save right away
         elif self.exchange.lead:
             committed = ckpt.committed()
-        vote = Vote(signal=signal, uploading_again=held)
+        vote = Vote(signal=signal, uploading=sending, uploading_again=held)
         if self.exchange.lead:
             timed = self.save_every_minutes > 0 and clock() - self.last_save >= 60 * self.save_every_minutes
             near = self.deadline is not None and (
                 clock() + deadline_margin(step_seconds, ckpt.save_seconds()) >= self.deadline)
-            vote = Vote(signal=signal, timed_save=timed, deadline=near, committed=committed, uploading_again=held)
+            vote = Vote(signal=signal, timed_save=timed, deadline=near, committed=committed, uploading=sending,
+                        uploading_again=held)
         decision = self.exchange.agree(step, vote)
         if decision.finish_save:
             ckpt.wait()

@@ -21,19 +21,21 @@ every stage step fetches them); a step the store does not hold as committed (an 
 was cut) is deleted from the store, and a stage step the store lacks is moved aside to
 STAGE/unpushed/; a step the stage held already whose copy fails its checks is fetched again
 (the store's is the one committed); a pull the store fails is tried again (`Tries`), each
-try fetching the files the tries before did not receive whole, until the run's deadline. After
+try fetching the files the tries before did not receive whole, until the run's deadline (a
+start after one killed during its pull on this machine takes over its files, each checked). After
 each local commit (checksums and manifest written) the step is uploaded in a background
 thread: its files, the logs, then committed.json, then the manifest; retention and rejections
 are then mirrored. Once a step's upload has settled, the next save drops it from the stage: a
 stage holds the step just saved and the newest good one, the run's older steps being the
 store's alone (`Mirror.deferred` again). A store is never asked to append, rename or lock:
-every object is written whole by one PUT. The next save, and the end of the run, wait for the
-upload. An upload that fails is tried again while training goes on, each try going on from
+every object is written whole by one PUT. The next save is finished (checksums, retention,
+its upload) at a step after the upload has ended, training going on meanwhile (`policy`); a
+save started while that one is unfinished, and the end of the run, wait for the upload. An upload that fails is tried again while training goes on, each try going on from
 where the last stopped (TRY_WAITS); meanwhile no save is made but the run's last
 (`Mirror.trying_again`, `policy`), and it stops the run with the step the store holds once
 TRIES_SECONDS have passed since its first failure or the run's deadline leaves no time for
 another try, or at once when the lease is lost. A call to the store under way at the
-deadline is cut there (`Store.deadline`). The deadline's margin counts the upload
+deadline is cut there (`Store.deadline`). The deadline's margin counts the uploads owed
 (`Mirror.push_seconds`).
 
 Several processes (hosts that share no disk) each stage the run in STAGE/process-<k> and
@@ -69,6 +71,8 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
+import functools
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -821,6 +825,7 @@ class Mirror:
         self.committed: Optional[int] = None     # the newest step the store holds as committed
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._push: Optional[concurrent.futures.Future] = None
+        self._push_step: Optional[int] = None
         self._sending: Optional[transfer_lib.Transfer] = None   # the step's files of the upload in flight
         self.checked: set[int] = set()   # steps the pull checked (checksums, finite flags): the resume trusts them
         self._pushes = collections.deque(maxlen=RECENT_PUSHES)
@@ -1110,7 +1115,7 @@ class Mirror:
         self.settle()
         if self.lead and self.lease.lost:
             self.lease.check()
-        self._push = self._pool.submit(self._upload, step, files)
+        self._push, self._push_step = self._pool.submit(self._upload, step, files), step
 
     def settle(self) -> None:
         """Wait for the upload in flight; raise (RunDirIOError) what made it fail."""
@@ -1128,17 +1133,23 @@ class Mirror:
     def pushing(self) -> bool:
         return self._push is not None and not self._push.done()
 
+    @property
+    def uploading(self) -> Optional[int]:
+        """The step whose upload is in flight (tried again included), or None."""
+        return self._push_step if self.pushing() else None
+
     def check(self) -> None:
         """Between steps: an upload whose tries ended failing raises now (`settle`), not at
         the next save."""
         if self._push is not None and self._push.done() and self._push.exception() is not None:
             self.settle()
 
-    def push_seconds(self) -> float:
-        """The slowest of the last uploads' seconds (the guess before one is timed); twice that
-        while one is in flight (a save waits for it first)."""
+    def push_seconds(self, owed: int = 1) -> float:
+        """The seconds of `owed` uploads to come and of the one in flight, if any (a save
+        waits for it first): each the slowest of the last uploads' (the guess before one is
+        timed)."""
         seconds = max(self._pushes) if self._pushes else self._guess
-        return seconds * (2 if self.pushing() else 1)
+        return seconds * (owed + self.pushing())
 
     def _upload(self, step: int, files) -> None:
         """`_upload_step`, tried again while it fails (`Tries`); each try goes on from where
@@ -1365,6 +1376,42 @@ def _is_part(held: dict[str, int], files: Optional[dict[str, int]]) -> bool:
     return bool(held) and files is not None and all(files.get(n) == size for n, size in held.items())
 
 
+@functools.lru_cache(maxsize=None)
+def _machine_tag() -> str:
+    """`_machine` as a short name: the processes whose pids a fetch's directory name can be
+    checked against."""
+    return hashlib.sha256((_machine() or socket.gethostname()).encode()).hexdigest()[:12]
+
+
+def _fetch_tmp(checkpoints: Path, step: int) -> Path:
+    """This process's temporary directory for a fetch of the step."""
+    return checkpoints / f"{step}{PULL_TMP}-{_machine_tag()}-{os.getpid()}"
+
+
+def _gone_fetches(checkpoints: Path, step="*") -> list[Path]:
+    """The temporary directories of fetches (of the step; "*": of any) left unfinished by a
+    process of this machine that has ended (killed, or its tries ended)."""
+    return [p for p in sorted(checkpoints.glob(f"{step}{PULL_TMP}-{_machine_tag()}-*"))
+            if p.is_dir() and not _alive(p.name.rsplit("-", 1)[1])]
+
+
+# This process's fetch directories' files taken over from an ended process's fetch and not
+# checked yet (a try that fails before the check leaves them so for the next).
+_unchecked: dict[Path, set[str]] = {}
+
+
+def _take_over_fetch(checkpoints: Path, step: int, tmp: Path) -> bool:
+    """A fetch of the step that an ended process of this machine left unfinished: its
+    directory made this fetch's (`tmp`, which must not exist); True when there was one."""
+    for p in _gone_fetches(checkpoints, step):
+        try:
+            os.replace(p, tmp)
+            return True
+        except OSError:   # another fetch took it first
+            continue
+    return False
+
+
 def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path, log: Log) -> Path:
     """A committed step's files into checkpoints/<step>. The files the directory holds already
     at their size (this process's own part of the step, a reader's weights) stay where they
@@ -1373,14 +1420,24 @@ def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path
     meanwhile reads what it read before, and a fetch cut short leaves it as it was (and a
     leftover removed at the next start). The files a fetch cut short received whole stay in
     its temporary directory: this process's next fetch of the step (a try again) fetches the
-    others only."""
+    others only, and so does the next fetch of it on this machine once that process has ended
+    (killed, or its tries ended), which checks the files it finds against the step's
+    checksums (fetched again) and fetches again those that differ."""
     dst = checkpoints / str(step)
     held = _step_files(dst) if dst.is_dir() else {}
     kept = {n: size for n, size in held.items() if files.get(n) == size}
-    tmp = checkpoints / f"{step}{PULL_TMP}-{os.getpid()}"
-    left = _step_files(tmp) if tmp.is_dir() else {}   # a try cut short: the files that came whole stay
+    tmp = _fetch_tmp(checkpoints, step)
+    # a try cut short: the files that came whole stay; another process's fetch: they stay if
+    # the step's checksums are here, or come now, to check them against
+    inherited = not tmp.is_dir() and _take_over_fetch(checkpoints, step, tmp)
+    left = _step_files(tmp) if tmp.is_dir() else {}
     came = {n: size for n, size in left.items() if files.get(n) == size and n not in kept}
-    for n in set(left) - set(came):   # cut short themselves: fetched again
+    if inherited:
+        checkable = ckpt_lib.CHECKSUMS in files or (dst / ckpt_lib.CHECKSUMS).is_file()
+        came = {n: size for n, size in came.items() if checkable and n != ckpt_lib.CHECKSUMS}
+        _unchecked[tmp] = set(came)
+    unchecked = sorted(_unchecked.get(tmp, set()) & set(came))
+    for n in set(left) - set(came):   # cut short themselves (or not to be checked): fetched again
         (tmp / n).unlink()
     names = sorted(set(files) - set(kept) - set(came))
     t0 = time.time()
@@ -1392,11 +1449,23 @@ def fetch_step(store: Store, step: int, files: dict[str, int], checkpoints: Path
                               f"{size / 1e9:.2f} GB more and the disk has {free / 1e9:.2f} GB free; free some, "
                               "or put it on a larger disk (the trainer's --stage DIR; FRACTUS_CACHE=DIR for the "
                               "read cache)")
+    before = "a fetch that did not finish (checked against the step's checksums)" if unchecked else "the try before"
     log(f"pulling step {step} ({size / 1e6:.1f} MB) from {store.url_of(CHECKPOINTS, str(step))}"
         + (f"; {len(kept)} of its files are here already" if kept else "")
-        + (f"; {len(came)} came whole in the try before" if came else ""))
+        + (f"; {len(came)} came whole in {before}" if came else ""))
     store.get([f"{CHECKPOINTS}/{step}/{n}" for n in names], [tmp / n for n in names],
               transfer_lib.Transfer(size, f"pulling step {step}", log))
+    if unchecked:
+        record = ckpt_lib.read_checksums(tmp if (tmp / ckpt_lib.CHECKSUMS).is_file() else dst)
+        differ = sorted(ckpt_lib.unmatched(tmp, unchecked, record))
+        if differ:
+            log(f"note: {len(differ)} of the files of step {step} that a fetch which did not finish left differ "
+                f"from its checksums (e.g. {differ[0]}): fetching them again")
+            for n in differ:
+                (tmp / n).unlink()
+            store.get([f"{CHECKPOINTS}/{step}/{n}" for n in differ], [tmp / n for n in differ],
+                      transfer_lib.Transfer(sum(files[n] for n in differ), f"pulling step {step}", log))
+    _unchecked.pop(tmp, None)
     names = sorted({*names, *came})
     got = _step_files(tmp) if names else {}
     if got != {n: files[n] for n in names}:
@@ -1474,7 +1543,8 @@ def _remove_unread(step_dir: Path, lock: Path) -> bool:
 
 def _evict(local: Path, want: int, log: Log) -> None:
     """The cached steps of a run beyond the READ_CACHE_STEPS read last (`want` among them)
-    removed, unless a command reads them."""
+    removed, unless a command reads them; so are the fetches of other steps that processes of
+    this machine left unfinished."""
     def last_read(step: str) -> int:
         try:
             return (local / READING / step).stat().st_mtime_ns
@@ -1486,6 +1556,10 @@ def _evict(local: Path, want: int, log: Log) -> None:
         if _remove_unread(local / CHECKPOINTS / name, local / READING / name):
             log(f"note: removed step {name} from the read cache {local} (it keeps the {READ_CACHE_STEPS} steps "
                 "of a run read last)")
+    for p in _gone_fetches(local / CHECKPOINTS):   # the step read now's is this fetch's to take over
+        if not p.name.startswith(f"{want}{PULL_TMP}-"):
+            shutil.rmtree(p, ignore_errors=True)
+            log(f"note: removed {p}, left by a fetch that did not finish")
 
 
 _STEP_URL = re.compile(r"^(.*)/" + CHECKPOINTS + r"/(\d+)$")
