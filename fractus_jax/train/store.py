@@ -22,16 +22,17 @@ was cut) is deleted from the store, and a stage step the store lacks is moved as
 STAGE/unpushed/; a step the stage held already whose copy fails its checks is fetched again
 (the store's is the one committed); a pull the store fails is tried again (`Tries`), each
 try fetching the files the tries before did not receive whole, until the run's deadline (a
-start after one killed during its pull on this machine takes over its files, each checked). After
-each local commit (checksums and manifest written) the step is uploaded in a background
-thread: its files, the logs, then committed.json, then the manifest; retention and rejections
-are then mirrored. Once a step's upload has settled, the next save drops it from the stage: a
-stage holds the step just saved and the newest good one, the run's older steps being the
-store's alone (`Mirror.deferred` again). A store is never asked to append, rename or lock:
-every object is written whole by one PUT. The next save is finished (checksums, retention,
-its upload) at a step after the upload has ended, training going on meanwhile (`policy`); a
-save started while that one is unfinished, and the end of the run, wait for the upload. An upload that fails is tried again while training goes on, each try going on from
-where the last stopped (TRY_WAITS); meanwhile no save is made but the run's last
+start after one killed during its pull on this machine takes over its files, each checked).
+After each local commit (checksums and manifest written) the step is uploaded in a
+background thread: its files, the logs, then committed.json, then the manifest; retention
+and rejections are then mirrored. Once a step's upload has settled, the next save drops it
+from the stage: a stage holds the step just saved and the newest good one, the run's older
+steps being the store's alone (`Mirror.deferred` again). A store is never asked to append,
+rename or lock: every object is written whole by one PUT. The next save is finished
+(checksums, retention, its upload) at a step after the upload has ended, training going on
+meanwhile (`policy`); a save started while that one is unfinished, and the end of the run,
+wait for the upload. An upload that fails is tried again while training goes on, each try
+going on from where the last stopped (TRY_WAITS); meanwhile no save is made but the run's last
 (`Mirror.trying_again`, `policy`), and it stops the run with the step the store holds once
 TRIES_SECONDS have passed since its first failure or the run's deadline leaves no time for
 another try, or at once when the lease is lost. A call to the store under way at the
