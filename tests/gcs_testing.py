@@ -55,6 +55,10 @@ class GCSServer(LocalServer):
         self._call("POST", "b?project=test", {"name": name})
         return name
 
+    def versioned(self, bucket: str) -> None:
+        """Object versioning on: a deleted or replaced object stays as a noncurrent version."""
+        self._call("PATCH", f"b/{bucket}", {"versioning": {"enabled": True}})
+
     def keys(self, bucket: str, prefix: str = "") -> list[str]:
         names, token = [], None
         while True:

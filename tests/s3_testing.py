@@ -89,6 +89,10 @@ class S3Server(LocalServer):
         self.client().create_bucket(Bucket=name)
         return name
 
+    def versioned(self, bucket: str) -> None:
+        """Versioning on: a deleted or replaced object stays as a noncurrent version."""
+        self.client().put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+
     def keys(self, bucket: str, prefix: str = "") -> list[str]:
         pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         return sorted(o["Key"] for page in pages for o in page.get("Contents", []))

@@ -239,7 +239,11 @@ def test_a_key_limited_to_the_runs_prefix_trains_and_reads_it(served, corpus_fil
               "--no-progress"]
     assert train_cli([*common, "--stage", str(tmp_path / "a"), "--set", "max_steps=2"]) == 0
     assert train_cli([*common, "--stage", str(tmp_path / "b"), "--set", "max_steps=4"]) == 0
-    assert f"resumed {tmp_path / 'b'} at step 2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"resumed {tmp_path / 'b'} at step 2" in err
+    # s3://: a key that may not list the bucket's multipart uploads is told so at each start
+    assert err.count(f"note: cannot list the unfinished uploads under {url}/checkpoints (") == \
+        2 * url.startswith("s3://"), err
     assert eval_cli(["--ckpt", url, "--corpus", str(corpus_file), "--ids", "256", "--json", "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
     # the control: the same key outside its prefix is refused at the start, in one line
@@ -947,6 +951,85 @@ def test_a_kill_inside_an_upload_resumes_from_a_fresh_stage_bit_exact(where, res
     if where == "after the commit":
         assert f"note: step 2 left in {url} (not pulled): the resume needs step 4 alone" in logs, logs
     assert "run/lease.json" not in s3.keys(bucket, "run/")
+
+
+def test_a_run_on_a_versioned_bucket_trains_resumes_and_says_what_retention_keeps(served, corpus_file, tmp_path):
+    """On a bucket that keeps every deleted or replaced object as an older version, a run
+    trains, retires old steps and resumes as on any (its lease deleted, then created again
+    over the older versions); its starts say that the steps retention deletes stay billed."""
+    server, url = served
+    bucket = url.split("/")[2]
+    server.versioned(bucket)
+    warning = f"warning: {url.split('://')[0]}://{bucket} keeps each object deleted or replaced as an older version"
+    last, logs = train_url(tiny(corpus_file, "max_steps=4", "keep_checkpoints=1"), url, tmp_path / "pod-a")
+    assert sum(line.startswith(warning) for line in logs) == 1, logs
+    assert store_steps(server, bucket, "run") == [4] and "run/lease.json" not in server.keys(bucket)
+    stage = tmp_path / "pod-b"
+    last, logs = train_url(tiny(corpus_file, "max_steps=6", "keep_checkpoints=1"), url, stage)
+    assert any(line.startswith(f"resumed {stage} at step 4,") for line in logs), logs
+    assert sum(line.startswith(warning) for line in logs) == 1, logs
+    assert store_steps(server, bucket, "run") == [6] and last["step"] == 6
+
+
+def test_a_lifecycle_rule_that_deletes_the_runs_older_versions_silences_the_warning(s3, bucket):
+    """S3: the warning holds until an enabled rule expiring noncurrent versions covers the
+    run's prefix; a rule of another prefix, a disabled one, or one limited to a tag does not.
+    GCS's rules are read the same way (fake-gcs-server keeps none, so they are read here from
+    the JSON the API returns)."""
+    run = store.Store(f"s3://{bucket}/runs/a")
+    assert not run.keeps_deleted()   # versioning off
+    s3.versioned(bucket)
+    assert run.keeps_deleted()
+
+    def rule(where, status="Enabled"):
+        s3.client().put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [
+            {"ID": "old", "Status": status, "Filter": where, "NoncurrentVersionExpiration": {"NoncurrentDays": 1}}]})
+        return run.keeps_deleted()
+
+    assert rule({"Prefix": "runs/b/"})
+    assert rule({"Prefix": "runs/"}, status="Disabled")
+    assert rule({"And": {"Prefix": "runs/", "Tags": [{"Key": "k", "Value": "v"}]}})
+    assert not rule({"Prefix": "runs/"})
+    assert not rule({"Prefix": ""})
+    gcs = store._gcs_rule_covers
+    assert gcs({"action": {"type": "Delete"}, "condition": {"isLive": False}}, "runs/a/")
+    assert gcs({"action": {"type": "Delete"}, "condition": {"numNewerVersions": 2, "matchesPrefix": ["runs/"]}}, "runs/a/")
+    assert gcs({"action": {"type": "Delete"}, "condition": {"age": 30}}, "runs/a/")
+    assert not gcs({"action": {"type": "Delete"}, "condition": {"age": 30, "isLive": True}}, "runs/a/")
+    assert not gcs({"action": {"type": "SetStorageClass"}, "condition": {"isLive": False}}, "runs/a/")
+    assert not gcs({"action": {"type": "Delete"}, "condition": {"isLive": False, "matchesPrefix": ["runs/b/"]}},
+                   "runs/a/")
+
+
+def test_a_start_aborts_the_uploads_to_the_run_a_killed_one_left_unfinished(s3, bucket, corpus_file, tmp_path):
+    """A file of 100 MiB or more goes to s3:// as a multipart upload; one its process never
+    ended (killed, or its call cut at the run's deadline) keeps its parts stored, and billed,
+    where no listing of objects shows them. The next start, holding the lease, aborts those
+    under the run's steps and rejected steps, saying how much they held, and leaves alone the
+    ones of another run and of a run inside this one's prefix."""
+    url = f"s3://{bucket}/run"
+    train_url(tiny(corpus_file, "max_steps=2"), url, tmp_path / "pod-a")
+    client = s3.client()
+
+    def uploads():
+        return sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads") or [])
+
+    assert uploads() == []   # the run's own uploads all ended
+    ours = {"run/checkpoints/4/params/d/0a": 3_000_000, "run/checkpoints/4/opt_state/d/0b": 2_000_000,
+            "run/rejected/2/params/d/0c": 1_000_000}
+    others = {"run2/checkpoints/4/params/d/0a": 1000, "run/sub/checkpoints/4/params/d/0a": 1000}
+    for key, size in {**ours, **others}.items():   # as a killed client leaves them: begun, a part sent
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * size)
+    stage = tmp_path / "pod-b"
+    last, logs = train_url(tiny(corpus_file, "max_steps=4"), url, stage)
+    assert f"note: aborted 2 uploads to {url}/checkpoints left unfinished (e.g. 4/opt_state/d/0b): the 5.0 MB " \
+           "of parts they held are deleted" in logs, logs
+    assert f"note: aborted 1 upload to {url}/rejected left unfinished (e.g. 2/params/d/0c): the 1.0 MB of parts " \
+           "they held are deleted" in logs, logs
+    assert uploads() == sorted(others)
+    assert any(line.startswith(f"resumed {stage} at step 2,") for line in logs), logs
+    assert store_steps(s3, bucket, "run") == [2, 4]
 
 
 def test_a_start_killed_in_its_pull_goes_on_from_the_files_it_left(s3, bucket, straight, tmp_path):

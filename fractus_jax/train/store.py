@@ -18,7 +18,9 @@ At the start the lease is taken and the store's logs and newest committed step a
 the stage: steps newest first until one verifies (its checksums, its finite flags), the older
 ones left in the store (`Mirror.deferred`: retention counts them, and a resume that rejects
 every stage step fetches them); a step the store does not hold as committed (an upload that
-was cut) is deleted from the store, and a stage step the store lacks is moved aside to
+was cut) is deleted from the store, and so are, on s3://, the multipart uploads such an upload
+left unfinished (`Store.unfinished_uploads`; a bucket that keeps what is deleted as older
+versions is warned of, `Store.keeps_deleted`); a stage step the store lacks is moved aside to
 STAGE/unpushed/; a step the stage held already whose copy fails its checks is fetched again
 (the store's is the one committed); a pull the store fails is tried again (`Tries`), each
 try fetching the files the tries before did not receive whole, until the run's deadline (a
@@ -461,6 +463,65 @@ class Store:
             self._call("get", [self.path(r) for r in remote], [str(p) for p in local],
                        **({"callback": transfer} if transfer is not None else {}))
 
+    def keeps_deleted(self) -> bool:
+        """The bucket keeps each object deleted or replaced under the run's prefix as an older
+        version, stored and billed, with no lifecycle rule that ever deletes it: versioning is
+        on (S3's Enabled; GCS's object versioning) and no rule that expires noncurrent versions
+        covers the prefix (S3's NoncurrentVersionExpiration; GCS's Delete on an age or a
+        noncurrent condition, its isLive not true). False where the credentials may not read
+        the bucket's settings: then nothing is said."""
+        key = self.root.split("/", 1)[1] + "/" if "/" in self.root else ""
+        try:
+            if self.scheme == "s3":
+                if self._call("call_s3", "get_bucket_versioning", Bucket=self.bucket).get("Status") != "Enabled":
+                    return False
+                try:
+                    rules = self._call("call_s3", "get_bucket_lifecycle_configuration", Bucket=self.bucket)["Rules"]
+                except FileNotFoundError:   # NoSuchLifecycleConfiguration: the bucket has no rule
+                    rules = []
+                return not any(r.get("Status") == "Enabled" and "NoncurrentVersionExpiration" in r
+                               and _s3_rule_covers(r, key) for r in rules)
+            info = self._call("call", "GET", "b/{}", self.bucket, json_out=True)
+            if not (info.get("versioning") or {}).get("enabled"):
+                return False
+            return not any(_gcs_rule_covers(r, key) for r in (info.get("lifecycle") or {}).get("rule") or [])
+        except Exception:   # noqa: BLE001 - settings the key may not read (each library its own error)
+            return False
+
+    def unfinished_uploads(self, *parts: str) -> list[tuple[str, str]]:
+        """s3://: the multipart uploads under a prefix that were begun and neither completed
+        nor aborted, as (key under the prefix, upload id). A client aborts its own when a part
+        fails, but not when its process is killed or its call is cut (at the run's deadline),
+        and their parts stay stored, and billed, listed by no object listing, until aborted.
+        gs:// has none to abort: an unfinished resumable upload lapses within a week."""
+        if self.scheme != "s3":
+            return []
+        bucket, prefix = (self.path(*parts) + "/").split("/", 1)
+        found, marker = [], {}
+        while True:
+            page = self._call("call_s3", "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker)
+            found += [(u["Key"][len(prefix):], u["UploadId"]) for u in page.get("Uploads") or []]
+            if not page.get("IsTruncated"):
+                return sorted(found)
+            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def abort_upload(self, key: str, upload_id: str, *parts: str) -> int:
+        """Abort one of `unfinished_uploads(*parts)`: its parts are deleted. Returns the bytes
+        they held."""
+        bucket, key = self.path(*parts, key).split("/", 1)
+        held, marker = 0, {}
+        try:
+            while True:
+                page = self._call("call_s3", "list_parts", Bucket=bucket, Key=key, UploadId=upload_id, **marker)
+                held += sum(int(p.get("Size", 0)) for p in page.get("Parts") or [])
+                if not page.get("IsTruncated"):
+                    break
+                marker = {"PartNumberMarker": page["NextPartNumberMarker"]}
+            self._call("call_s3", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except FileNotFoundError:   # NoSuchUpload: completed or aborted meanwhile
+            pass
+        return held
+
     def _bound(self) -> Optional[float]:
         """The seconds a call to the store may take: to the deadline, at least
         DEADLINE_GRACE_SECONDS; None without a deadline."""
@@ -480,6 +541,30 @@ class Store:
             if time.time() < self.deadline:
                 raise
             raise TimeoutError(f"cut at the run's deadline, {policy.deadline_words(self.deadline)}") from None
+
+
+def _s3_rule_covers(rule: dict, key: str) -> bool:
+    """An S3 lifecycle rule applies to every object under `key` (a prefix of it, no tag)."""
+    where = rule.get("Filter") or {}
+    where = where.get("And", where)
+    prefix = rule.get("Prefix") or where.get("Prefix") or ""
+    return key.startswith(prefix) and not (where.get("Tag") or where.get("Tags"))
+
+
+# The conditions of a GCS lifecycle rule that match an object's noncurrent versions (age: every
+# version, unless isLive says which).
+GCS_NONCURRENT = ("age", "numNewerVersions", "daysSinceNoncurrentTime", "noncurrentTimeBefore")
+
+
+def _gcs_rule_covers(rule: dict, key: str) -> bool:
+    """A GCS lifecycle rule deletes the noncurrent versions of every object under `key`."""
+    if (rule.get("action") or {}).get("type") != "Delete":
+        return False
+    condition = rule.get("condition") or {}
+    live = condition.get("isLive")
+    noncurrent = live is False or (live is None and any(c in condition for c in GCS_NONCURRENT))
+    prefixes = condition.get("matchesPrefix")
+    return noncurrent and (not prefixes or any(key.startswith(p) for p in prefixes))
 
 
 # ----------------------------------------------------------------------------- the lease
@@ -878,6 +963,11 @@ class Mirror:
             self.lock.release()
             raise CheckpointError(f"{self.url}: cannot take the run's lease ({failure_words(e)}); the credentials "
                                   "must be allowed to write there") from None
+        if self.lead and self.store.keeps_deleted():
+            self.log(f"warning: {self.store.scheme}://{self.store.bucket} keeps each object deleted or replaced as an "
+                     f"older version (versioning is on), and no lifecycle rule deletes those under {self.url}: each "
+                     "step retention deletes stays stored, and billed; a rule that expires noncurrent versions under "
+                     "that prefix frees them")
         try:
             self.pull()
         except BaseException:
@@ -922,6 +1012,8 @@ class Mirror:
                 self.store.remove(CHECKPOINTS, str(step))
                 self.log(f"note: removed {self.store.url_of(CHECKPOINTS, str(step))}, left by an upload that did "
                          "not finish")
+        if self.lead:
+            self._abort_unfinished()
         steps = {s: r for s, r in steps.items() if r is not None}
         local = self.stage / CHECKPOINTS
         parts = {}   # step -> this stage's part of it (a process's own files of a step it saved)
@@ -981,6 +1073,25 @@ class Mirror:
         self.committed = max(steps) if steps else None
         if self.lead:
             self._remove_gone(set(steps))
+
+    def _abort_unfinished(self) -> None:
+        """The lease holder's, before any upload of its own: abort the multipart uploads a
+        killed or cut upload left under the run's steps (`Store.unfinished_uploads`). A key
+        that may not list them is told once, and the start goes on."""
+        for where in (CHECKPOINTS, REJECTED):
+            try:
+                left = self.store.unfinished_uploads(where)
+            except PermissionError as e:
+                self.log(f"note: cannot list the unfinished uploads under {self.store.url_of(where)} "
+                         f"({failure_words(e)}): the parts of an upload cut there stay stored until aborted "
+                         "(s3:ListBucketMultipartUploads and s3:AbortMultipartUpload let the run abort them, or a "
+                         "lifecycle rule's AbortIncompleteMultipartUpload does)")
+                return
+            if left:
+                held = sum(self.store.abort_upload(key, upload_id, where) for key, upload_id in left)
+                self.log(f"note: aborted {len(left)} upload{'s' * (len(left) > 1)} to {self.store.url_of(where)} "
+                         f"left unfinished (e.g. {left[0][0]}): the {held / 1e6:.1f} MB of parts they held are "
+                         "deleted")
 
     def _fetch(self, step: int, files: dict[str, int]) -> dict[str, tuple[int, str]]:
         """The committed step's files the stage lacks, into it; in a multi-process run, all but
