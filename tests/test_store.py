@@ -242,7 +242,7 @@ def test_a_key_limited_to_the_runs_prefix_trains_and_reads_it(served, corpus_fil
     err = capsys.readouterr().err
     assert f"resumed {tmp_path / 'b'} at step 2" in err
     # s3://: a key that may not list the bucket's multipart uploads is told so at each start
-    assert err.count(f"note: cannot list the unfinished uploads under {url}/checkpoints (") == \
+    assert err.count(f"note: cannot abort the unfinished uploads under {url}/checkpoints (") == \
         2 * url.startswith("s3://"), err
     assert eval_cli(["--ckpt", url, "--corpus", str(corpus_file), "--ids", "256", "--json", "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
@@ -1249,6 +1249,42 @@ def test_training_goes_on_while_an_upload_before_a_committed_save_is_slow(s3, bu
     assert_same_state(straight_dir, stage, cfg6)
     assert store_steps(s3, bucket, "run") == [2, 4, 6] and stage_steps(stage) == [6]
     assert [strict(x)["step"] for x in s3.read(bucket, "run/metrics.jsonl").decode().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_save_kept_waiting_by_the_upload_before_it_says_so(s3, bucket, straight, tmp_path, monkeypatch):
+    """Step 2's upload is sent only once step 6's save waits for it, 1.5 s later: step 4's save,
+    unfinished while step 2 uploads, makes step 6's wait. That save says how long it waited
+    and what lets training go on; the end of the run, which waits for step 6's upload, says
+    nothing. The run ends as one never interrupted."""
+    cfg6, straight_dir = straight
+    url = f"s3://{bucket}/run"
+    waiting, stalled, settle, put = threading.Event(), [], store.Mirror.settle, store.Store.put
+
+    def watched(self):
+        if self.pushing():
+            waiting.set()
+        return settle(self)
+
+    def slow(self, local, remote, transfer=None):
+        if any(r.startswith(f"{store.CHECKPOINTS}/2/") for r in remote):
+            if not waiting.wait(60):
+                stalled.append("no save waited for step 2's upload")
+            time.sleep(1.5)
+        return put(self, local, remote, transfer)
+
+    monkeypatch.setattr(store.Mirror, "settle", watched)
+    monkeypatch.setattr(store.Store, "put", slow)
+    monkeypatch.setattr(ckpt_lib, "UPLOAD_WAIT_WARN_SECONDS", 1.0)
+    stage = tmp_path / "pod-a"
+    last, logs = ended(300, lambda: train_url(cfg6, url, stage))
+    assert not stalled and last["step"] == 6, stalled
+    said = [line for line in logs if line.startswith("warning: the save of step ")]
+    assert len(said) == 1 and re.fullmatch(
+        rf"warning: the save of step 6 waited \d+ s for the upload of step 2 to {url}, and training with it: the "
+        r"store takes a step more slowly than the run saves; saving less often \(a larger save_every\) lets "
+        r"training go on", said[0]), logs
+    assert_same_state(straight_dir, stage, cfg6)
+    assert store_steps(s3, bucket, "run") == [2, 4, 6] and stage_steps(stage) == [6]
 
 
 @pytest.mark.parametrize("error, again", [

@@ -59,6 +59,9 @@ WEIGHTS_ITEMS = ("params", "extra", "meta")
 SAVE_WRITE_BYTES_PER_SECOND = 100e6
 CHECKSUM_READ_BYTES_PER_SECOND = 500e6
 FIRST_SAVE_FLOOR_SECONDS = 2.0
+# A run on object storage whose save waits this long for the upload before it (the store takes
+# a step more slowly than the run saves) is told so, with what lets training go on.
+UPLOAD_WAIT_WARN_SECONDS = 10.0
 
 
 def save_bytes(state) -> tuple[int, int]:
@@ -353,8 +356,8 @@ class RunCheckpointer:
         return self.workdir / CHECKPOINTS / str(step)
 
     def save(self, state, meta: dict, block: bool = True) -> None:
-        self.wait()   # one write at a time: the previous manifest first
         step = int(meta["step"])
+        self.wait(saving=step)   # one write at a time: the previous manifest first
         if step in self.manager.all_steps():
             # Committed already (the state a run resumed from, or saved before a growth): the
             # same step of a deterministic run is the same state.
@@ -446,9 +449,10 @@ class RunCheckpointer:
         if self.committed():
             self.wait()
 
-    def wait(self) -> None:
+    def wait(self, saving: Optional[int] = None) -> None:
         """Block until the last save is committed, then record its checksums, drop the steps
-        retention lets go, and write its manifest (when it is good)."""
+        retention lets go, and write its manifest (when it is good). saving: the step whose
+        save waits (a run on object storage says when the upload before kept it long)."""
         if self._pending is None:
             return
         (meta, finite), self._pending = self._pending, None
@@ -465,7 +469,13 @@ class RunCheckpointer:
         if self.mirror is not None:
             # the previous step's upload reads the stage's steps and manifest: it ends before
             # retention or this step's manifest changes them
+            uploading, started = self.mirror.uploading, time.time()
             self.mirror.settle()
+            waited = time.time() - started
+            if saving is not None and uploading is not None and waited > UPLOAD_WAIT_WARN_SECONDS:
+                self.log(f"warning: the save of step {saving} waited {waited:.0f} s for the upload of step "
+                         f"{uploading} to {self.mirror.url}, and training with it: the store takes a step more "
+                         "slowly than the run saves; saving less often (a larger save_every) lets training go on")
         lead = jax.process_index() == 0
         parts = None
         try:

@@ -1077,18 +1077,18 @@ class Mirror:
     def _abort_unfinished(self) -> None:
         """The lease holder's, before any upload of its own: abort the multipart uploads a
         killed or cut upload left under the run's steps (`Store.unfinished_uploads`). A key
-        that may not list them is told once, and the start goes on."""
+        that may not list or abort them is told once, and the start goes on."""
         for where in (CHECKPOINTS, REJECTED):
             try:
                 left = self.store.unfinished_uploads(where)
+                held = sum(self.store.abort_upload(key, upload_id, where) for key, upload_id in left)
             except PermissionError as e:
-                self.log(f"note: cannot list the unfinished uploads under {self.store.url_of(where)} "
+                self.log(f"note: cannot abort the unfinished uploads under {self.store.url_of(where)} "
                          f"({failure_words(e)}): the parts of an upload cut there stay stored until aborted "
                          "(s3:ListBucketMultipartUploads and s3:AbortMultipartUpload let the run abort them, or a "
                          "lifecycle rule's AbortIncompleteMultipartUpload does)")
                 return
             if left:
-                held = sum(self.store.abort_upload(key, upload_id, where) for key, upload_id in left)
                 self.log(f"note: aborted {len(left)} upload{'s' * (len(left) > 1)} to {self.store.url_of(where)} "
                          f"left unfinished (e.g. {left[0][0]}): the {held / 1e6:.1f} MB of parts they held are "
                          "deleted")
