@@ -993,7 +993,8 @@ def test_a_lifecycle_rule_that_deletes_the_runs_older_versions_silences_the_warn
     assert not rule({"Prefix": ""})
     gcs = store._gcs_rule_covers
     assert gcs({"action": {"type": "Delete"}, "condition": {"isLive": False}}, "runs/a/")
-    assert gcs({"action": {"type": "Delete"}, "condition": {"numNewerVersions": 2, "matchesPrefix": ["runs/"]}}, "runs/a/")
+    assert gcs({"action": {"type": "Delete"}, "condition": {"numNewerVersions": 2, "matchesPrefix": ["runs/"]}},
+               "runs/a/")
     assert gcs({"action": {"type": "Delete"}, "condition": {"age": 30}}, "runs/a/")
     assert not gcs({"action": {"type": "Delete"}, "condition": {"age": 30, "isLive": True}}, "runs/a/")
     assert not gcs({"action": {"type": "SetStorageClass"}, "condition": {"isLive": False}}, "runs/a/")
