@@ -316,6 +316,10 @@ class Store:
     def url_of(self, *parts: str) -> str:
         return f"{self.scheme}://{self.path(*parts)}"
 
+    def key(self, *parts: str) -> str:
+        """The object key (in the bucket) of a path under the run; "" for the bucket's root."""
+        return self.path(*parts).partition("/")[2]
+
     def check_access(self) -> None:
         """The bucket exists and the credentials read it: refused (CheckpointError) in one line.
         What is listed is the run's own prefix, as a key allowed only that prefix may; the
@@ -411,7 +415,7 @@ class Store:
         try:
             if self._gcs is None:
                 self._gcs = storage.Client().bucket(self.bucket)
-            blob = self._gcs.blob(self.path(*parts).split("/", 1)[1])
+            blob = self._gcs.blob(self.key(*parts))
             seconds = self._bound()
             blob.upload_from_string(data, if_generation_match=int(version),
                                     **({"timeout": seconds} if seconds is not None else {}))
@@ -470,7 +474,7 @@ class Store:
         covers the prefix (S3's NoncurrentVersionExpiration; GCS's Delete on an age or a
         noncurrent condition, its isLive not true). False where the credentials may not read
         the bucket's settings: then nothing is said."""
-        key = self.root.split("/", 1)[1] + "/" if "/" in self.root else ""
+        key = self.key() and self.key() + "/"
         try:
             if self.scheme == "s3":
                 if self._call("call_s3", "get_bucket_versioning", Bucket=self.bucket).get("Status") != "Enabled":
@@ -496,10 +500,10 @@ class Store:
         gs:// has none to abort: an unfinished resumable upload lapses within a week."""
         if self.scheme != "s3":
             return []
-        bucket, prefix = (self.path(*parts) + "/").split("/", 1)
+        prefix = self.key(*parts) + "/"
         found, marker = [], {}
         while True:
-            page = self._call("call_s3", "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker)
+            page = self._call("call_s3", "list_multipart_uploads", Bucket=self.bucket, Prefix=prefix, **marker)
             found += [(u["Key"][len(prefix):], u["UploadId"]) for u in page.get("Uploads") or []]
             if not page.get("IsTruncated"):
                 return sorted(found)
@@ -508,16 +512,16 @@ class Store:
     def abort_upload(self, key: str, upload_id: str, *parts: str) -> int:
         """Abort one of `unfinished_uploads(*parts)`: its parts are deleted. Returns the bytes
         they held."""
-        bucket, key = self.path(*parts, key).split("/", 1)
+        key = self.key(*parts, key)
         held, marker = 0, {}
         try:
             while True:
-                page = self._call("call_s3", "list_parts", Bucket=bucket, Key=key, UploadId=upload_id, **marker)
+                page = self._call("call_s3", "list_parts", Bucket=self.bucket, Key=key, UploadId=upload_id, **marker)
                 held += sum(int(p.get("Size", 0)) for p in page.get("Parts") or [])
                 if not page.get("IsTruncated"):
                     break
                 marker = {"PartNumberMarker": page["NextPartNumberMarker"]}
-            self._call("call_s3", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            self._call("call_s3", "abort_multipart_upload", Bucket=self.bucket, Key=key, UploadId=upload_id)
         except FileNotFoundError:   # NoSuchUpload: completed or aborted meanwhile
             pass
         return held
